@@ -1,0 +1,31 @@
+# make demo   set up .venv and train configs/quickstart.yaml on 2 CPU processes
+# make test   set up and run every test (and lint)
+# make bench  the launcher against a hand-written torchrun loop (writes bench/results/)
+
+PYTHON ?= python3.11
+VENV := .venv
+export PYTHON
+
+.PHONY: demo test lint bench env clean
+
+env: $(VENV)/.ready
+
+$(VENV)/.ready: requirements/dev.txt pyproject.toml tools/mkenv.sh
+	tools/mkenv.sh $(VENV) requirements/dev.txt
+	touch $@
+
+demo: env
+	$(VENV)/bin/train --config configs/quickstart.yaml
+
+lint: env
+	$(VENV)/bin/ruff check launcher recipes tests bench
+	$(VENV)/bin/ruff format --check launcher recipes tests bench
+
+test: env lint
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+bench: env
+	$(VENV)/bin/python bench/ddp_step_time.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,144 @@
+"""`train`: the command line. It parses, builds a plan, and calls one function."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.text import Text
+from typer.core import TyperGroup
+
+from launcher.errors import LauncherError
+from launcher.spec import LaunchSection
+
+EXAMPLES = """
+Examples:
+
+  train --config configs/quickstart.yaml
+
+  train --config configs/quickstart.yaml --devices 2 --accelerator cpu
+
+  train --config my_run.yaml --devices 4 optim.lr=3e-4 train.max_steps=500
+
+  train --config my_run.yaml --resume latest
+
+  train validate --config my_run.yaml     (check a spec and its recipe, run nothing)
+"""
+
+
+class _DefaultToRun(TyperGroup):
+    """`train --config x` means `train run --config x`: the run command is the default."""
+
+    def parse_args(self, ctx, args):  # type: ignore[no-untyped-def]
+        if not args or args[0] not in self.commands:
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(
+    cls=_DefaultToRun,
+    add_completion=False,
+    no_args_is_help=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _doc(key: str) -> str:
+    return LaunchSection.model_fields[key].description or ""
+
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The run spec (YAML).")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Overrides of spec keys, e.g. optim.lr=3e-4 train.max_steps=500.",
+                   show_default=False),
+]
+
+
+@app.command("run", epilog=EXAMPLES, context_settings={"allow_interspersed_args": True})
+def run_command(
+    config: ConfigOpt,
+    overrides: Overrides = None,
+    accelerator: Annotated[str | None, typer.Option(help=_doc("accelerator"))] = None,
+    devices: Annotated[str | None, typer.Option(help=_doc("devices"))] = None,
+    strategy: Annotated[str | None, typer.Option(help=_doc("strategy"))] = None,
+    resume: Annotated[str | None, typer.Option(
+        help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
+        "or `latest` (the newest run of this run.name).")] = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        help="Write this run here instead of <run.output_dir>/<run.name>/<timestamp>; "
+        "an existing run is never overwritten.")] = None,
+    ranks: Annotated[str | None, typer.Option(
+        help="Show only these ranks' output, e.g. 0,2-3. Warnings, errors and tracebacks "
+        "of every rank are always shown.")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")] = False,
+) -> None:
+    """Train: launch one process per device, wrap the model, stream every replica's logs."""
+
+    def go() -> int:
+        from launcher.launch import execute
+        from launcher.plan import make_plan
+
+        spec = _load(config, overrides, accelerator=accelerator, devices=devices, strategy=strategy)
+        plan = make_plan(spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug)
+        return execute(plan)
+
+    raise typer.Exit(_guarded(go, debug))
+
+
+@app.command("validate")
+def validate_command(
+    config: ConfigOpt,
+    overrides: Overrides = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Check a run spec and its recipe without running anything."""
+
+    def go() -> int:
+        from launcher.recipe import load_recipe
+
+        spec = _load(config, overrides)
+        load_recipe(spec.recipe.source)
+        err.print(f"{config}: ok")
+        return 0
+
+    raise typer.Exit(_guarded(go, debug))
+
+
+def _load(config: Path, overrides: list[str] | None, **flags: str | None):  # type: ignore[no-untyped-def]
+    from launcher.spec_loader import load_spec, parse_yaml_value
+
+    given = {
+        f"launch.{key}": (f"--{key}", parse_yaml_value(value) if key == "devices" else value)
+        for key, value in flags.items()
+        if value is not None
+    }
+    return load_spec(config, overrides or [], flags=given)
+
+
+def _guarded(fn, debug: bool) -> int:  # type: ignore[no-untyped-def]
+    """Known failures print a short message; a traceback only with --debug."""
+    try:
+        return fn()
+    except LauncherError as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(Text("error: ", style="bold red") + Text(exc.render()))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+def main() -> None:
+    app(prog_name="train")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Sharding the user's dataset across replicas; recipes never write samplers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from launcher.errors import UsageError
+from launcher.spec import DataSection
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way through an epoch, so a resumed run sees
+    exactly the samples an uninterrupted run would have seen next."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self._skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self._skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self._skip
+
+
+def build_loader(
+    dataset: Dataset, data: DataSection, rank: int, world_size: int, seed: int, pin_memory: bool
+) -> DataLoader:
+    try:
+        size = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(
+            "recipe: build_dataset() must return a map-style Dataset with __len__ "
+            "(iterable datasets cannot be sharded by a sampler)"
+        ) from None
+    per_step = data.batch_size * world_size
+    if size < per_step and data.drop_last:
+        raise UsageError(
+            f"data.batch_size: {size} samples cannot fill one batch of {data.batch_size} "
+            f"on each of {world_size} replicas; lower data.batch_size or set data.drop_last=false"
+        )
+    sampler = ResumableSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=data.shuffle, seed=seed,
+        drop_last=data.drop_last,
+    )
+    generator = torch.Generator()
+    generator.manual_seed(seed + rank)
+    return DataLoader(
+        dataset,
+        batch_size=data.batch_size,
+        sampler=sampler,
+        num_workers=data.num_workers,
+        drop_last=data.drop_last,
+        pin_memory=pin_memory,
+        persistent_workers=data.num_workers > 0,
+        generator=generator,
+    )

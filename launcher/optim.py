@@ -1,0 +1,33 @@
+"""Optimizer and learning-rate schedule from the `optim` section."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from launcher.spec import OptimSection, optimizer_class
+
+
+def build_optimizer(optim: OptimSection, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return optimizer_class(optim.name)(params, lr=optim.lr, **optim.kwargs)
+
+
+def lr_factor(optim: OptimSection, step: int, total_steps: int) -> float:
+    """Multiplier of `optim.lr` for the update made at `step` (0-based)."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
+
+
+def build_scheduler(
+    optim: OptimSection, optimizer: torch.optim.Optimizer, total_steps: int
+) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_factor(optim, step, total_steps))

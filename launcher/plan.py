@@ -1,0 +1,134 @@
+"""From a validated spec and the command line to a `LaunchPlan`: plain, resolved values.
+
+Nothing here starts a process or writes a file, so every decision can be unit-tested.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from launcher import checkpoint
+from launcher.errors import UsageError
+from launcher.ranks import parse_ranks
+from launcher.spec import RunSpec
+from launcher.strategies import available_strategies
+
+XLA_STRATEGIES = ("xla", "xla_fsdp")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    spec: RunSpec
+    run_dir: Path
+    accelerator: str  # "cpu", "gpu" or "tpu": never "auto"
+    nproc: int  # processes on this node
+    resume_from: Path | None  # a complete checkpoint folder
+    show_ranks: frozenset[int] | None  # --ranks display filter; None shows every rank
+    omp_threads: int
+    debug: bool = False
+
+    @property
+    def continues_run(self) -> bool:
+        """Resuming into the run folder the checkpoint belongs to."""
+        return self.resume_from is not None and self.resume_from.parent.parent == self.run_dir
+
+
+def make_plan(
+    spec: RunSpec,
+    *,
+    run_dir: Path | None = None,
+    resume: str | None = None,
+    ranks: str | None = None,
+    debug: bool = False,
+) -> LaunchPlan:
+    accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
+    nproc = resolve_devices(spec.launch.devices, accelerator)
+    output_dir = Path(spec.run.output_dir)
+    resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
+    if run_dir is None:
+        # A resumed run continues in its own folder; a new run gets a new one.
+        run_dir = resume_from.parent.parent if resume_from else _new_run_dir(output_dir, spec.run.name)
+    elif resume_from is None and _holds_a_run(run_dir):
+        raise UsageError(
+            f"--run-dir {run_dir}: already holds a run; it is never overwritten",
+            hint=f"Continue it with --resume {run_dir}, or choose another --run-dir.",
+        )
+    try:
+        show = parse_ranks(ranks) if ranks else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return LaunchPlan(
+        spec=spec,
+        run_dir=run_dir,
+        accelerator=accelerator,
+        nproc=nproc,
+        resume_from=resume_from,
+        show_ranks=show,
+        omp_threads=_omp_threads(accelerator, nproc),
+        debug=debug,
+    )
+
+
+def resolve_accelerator(requested: str, strategy: str) -> str:
+    if strategy not in available_strategies():
+        raise UsageError(
+            f"launch.strategy: {strategy!r} is not available in this version "
+            f"(available: {', '.join(available_strategies())})"
+        )
+    if requested == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if requested == "gpu" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise UsageError(
+            f"--accelerator gpu: no CUDA GPU is visible (torch {torch.__version__}, {build})",
+            hint="Use --accelerator cpu, or install a CUDA build of torch on a machine with a GPU.",
+        )
+    if requested == "tpu":
+        raise UsageError(
+            "--accelerator tpu: needs strategy xla or xla_fsdp and torch_xla, which this "
+            "version does not support yet",
+        )
+    return requested
+
+
+def resolve_devices(devices: int | str, accelerator: str) -> int:
+    if accelerator == "gpu":
+        visible = torch.cuda.device_count()
+        if devices == "auto":
+            return visible
+        if int(devices) > visible:
+            raise UsageError(
+                f"--devices {devices}: only {visible} GPU(s) visible on this machine",
+                hint="Lower --devices, or check CUDA_VISIBLE_DEVICES.",
+            )
+        return int(devices)
+    # On CPU every process is a replica sharing the cores; `auto` keeps to one.
+    return 1 if devices == "auto" else int(devices)
+
+
+def _omp_threads(accelerator: str, nproc: int) -> int:
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    if accelerator == "cpu":
+        # Oversubscribed cores make every replica slower than fewer threads would.
+        return max(1, (os.cpu_count() or 1) // nproc)
+    return 1
+
+
+def _new_run_dir(output_dir: Path, name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = output_dir / name / stamp
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = output_dir / name / f"{stamp}-{n}"
+    return candidate
+
+
+def _holds_a_run(path: Path) -> bool:
+    return path.is_dir() and any(path.iterdir())

@@ -1,0 +1,110 @@
+"""Importing a user's recipe: a `.py` file anywhere on disk, or a dotted module.
+
+A recipe defines:
+  build_model(**model) -> nn.Module
+  build_dataset(split, **dataset) -> torch.utils.data.Dataset
+  loss(model, batch) -> Tensor | (Tensor, dict of metrics)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from launcher.errors import UsageError
+
+REQUIRED = ("build_model", "build_dataset", "loss")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    source: str
+    module: ModuleType
+
+    def build_model(self, **kwargs: Any) -> torch.nn.Module:
+        model = call_user("recipe.model", self.module.build_model, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(
+                f"{self.source}: build_model() returned {type(model).__name__}, expected an nn.Module"
+            )
+        return model
+
+    def build_dataset(self, split: str, **kwargs: Any) -> torch.utils.data.Dataset:
+        return call_user("recipe.dataset", self.module.build_dataset, split, **kwargs)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The recipe's loss, always as (loss, metrics)."""
+        out = self.module.loss(model, batch)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        return loss, dict(metrics)
+
+
+def load_recipe(source: str) -> Recipe:
+    """Import `source` and check it has what the launcher calls.
+
+    A failure inside the user's own module shows their traceback: it is their bug to fix.
+    """
+    try:
+        module = _import(source)
+    except UsageError:
+        raise
+    except Exception as exc:
+        frames = traceback.format_exception(exc)
+        raise UsageError(
+            f"recipe.source: importing {source} failed:", details=["".join(frames).rstrip()]
+        ) from None
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise UsageError(
+            f"recipe.source: {source} does not define {', '.join(missing)}",
+            hint="A recipe defines build_model(**model), build_dataset(split, **dataset) "
+            "and loss(model, batch); see the README's 'Write your own recipe'.",
+        )
+    return Recipe(source, module)
+
+
+def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a recipe function, turning a bad keyword into a short message that names the key."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        # Only a TypeError raised by the call itself is about the arguments; one from deeper
+        # down is the recipe's own bug and keeps its traceback.
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_next is None:
+            raise UsageError(f"{what}: {exc}") from None
+        raise
+
+
+def _import(source: str) -> ModuleType:
+    if source.endswith(".py"):
+        path = Path(source)
+        if not path.is_file():
+            raise UsageError(f"recipe.source: {source} does not exist", hint="Paths in a YAML file "
+                             "are relative to that file.")
+        # A recipe may import its sibling modules, as a script would.
+        sys.path.insert(0, str(path.parent))
+        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(source)
+    except ModuleNotFoundError as exc:
+        if exc.name and source.startswith(exc.name):
+            raise UsageError(
+                f"recipe.source: no module named {source!r}",
+                hint="Give a path to a .py file, or a module importable from the working directory.",
+            ) from None
+        raise

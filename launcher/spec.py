@@ -1,0 +1,186 @@
+"""The run spec: one typed section per YAML block, and the one place every key is documented.
+
+Each field's `description` is the documentation: `train --help`, the README's config table
+(`launcher.spec_docs`) and error messages all read it from here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
+StrategyName = Literal["ddp", "fsdp", "xla", "xla_fsdp"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Schedule = Literal["constant", "cosine"]
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+def _optimizer_names() -> list[str]:
+    return sorted(
+        n for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    )
+
+
+def _optimizer_class(name: str) -> type[torch.optim.Optimizer] | None:
+    cls = getattr(torch.optim, name, None)
+    ok = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+    return cls if ok and cls is not torch.optim.Optimizer else None
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    cls = _optimizer_class(name)
+    assert cls is not None, name  # the spec validated it
+    return cls
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a typo must never silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunSection(Section):
+    name: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Name of the run; new runs go to `<output_dir>/<name>/<timestamp>`, "
+        "and `--resume latest` picks the newest run of this name.",
+    )
+    seed: int = Field(0, description="Seeds python, numpy and torch on every rank, and the sampler.")
+    output_dir: str = Field(
+        "runs", description="Folder that holds the runs, relative to the working directory."
+    )
+
+
+def _devices(value: Any) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError(f"expected a positive number of devices or 'auto', got {value!r}")
+
+
+class LaunchSection(Section):
+    accelerator: Accelerator = Field(
+        "auto", description="`cpu`, `gpu`, `tpu`, or `auto` (a GPU if CUDA sees one, else the CPU)."
+    )
+    devices: Annotated[int | str, BeforeValidator(_devices)] = Field(
+        "auto",
+        description="Processes on this machine, one per device: a number, or `auto` "
+        "(every GPU; 1 process on CPU).",
+    )
+    strategy: StrategyName = Field(
+        "ddp",
+        description="How replicas share work: `ddp` (replicated model, all-reduced gradients), "
+        "`fsdp`, `xla`, `xla_fsdp`.",
+    )
+
+
+class RecipeSection(Section):
+    source: str = Field(
+        ...,
+        description="The recipe: a `.py` file (relative to this YAML file) or a dotted module. "
+        "It defines `build_model`, `build_dataset` and `loss`.",
+    )
+    model: dict[str, Any] = Field({}, description="Keyword arguments for `build_model(**model)`.")
+    dataset: dict[str, Any] = Field(
+        {}, description="Keyword arguments for `build_dataset(split, **dataset)`."
+    )
+
+
+class DataSection(Section):
+    batch_size: PositiveInt = Field(32, description="Samples per device per micro-step.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    shuffle: bool = Field(True, description="Reshuffle every epoch (seeded by `run.seed`).")
+    drop_last: bool = Field(
+        True, description="Drop the last incomplete batch, so every step has the same shape."
+    )
+
+
+class OptimSection(Section):
+    name: str = Field(
+        "AdamW", description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …)."
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    kwargs: dict[str, Any] = Field(
+        {}, description="Other keyword arguments of the optimizer, e.g. `{weight_decay: 0.1}`."
+    )
+    schedule: Schedule = Field(
+        "constant", description="`constant`, or `cosine` decay to `min_lr_ratio * lr`."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to `lr` over this many steps.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Final learning rate of `cosine`, as a fraction of `lr`."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_optimizer(cls, name: str) -> str:
+        if not _optimizer_class(name):
+            known = ", ".join(_optimizer_names())
+            raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
+        return name
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        optimizer = _optimizer_class(info.data.get("name", ""))
+        if optimizer is None:
+            return kwargs  # the name's own error says what is wrong
+        accepted = [p for p in inspect.signature(optimizer).parameters if p not in ("params", "lr")]
+        wrong = [k for k in kwargs if k not in accepted]
+        if wrong:
+            raise ValueError(
+                f"{optimizer.__name__} does not take {', '.join(wrong)}; it takes: {', '.join(accepted)}"
+            )
+        return kwargs
+
+
+class TrainSection(Section):
+    max_steps: PositiveInt | None = Field(
+        None, description="Stop after this many optimizer steps."
+    )
+    max_epochs: PositiveInt | None = Field(
+        None, description="Stop after this many passes over the data (whichever limit comes first)."
+    )
+    grad_accum_steps: PositiveInt = Field(
+        1, description="Micro-batches per optimizer step; gradients sync only on the last one."
+    )
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="Clip the global gradient norm to this value (off when unset)."
+    )
+    precision: Precision = Field(
+        "fp32",
+        description="`fp32`, `bf16` (autocast) or `fp16` (autocast, plus a gradient scaler on GPU).",
+    )
+    log_every: PositiveInt = Field(
+        10, description="Print and record metrics every this many steps."
+    )
+
+    @model_validator(mode="after")
+    def _has_a_limit(self) -> TrainSection:
+        if self.max_steps is None and self.max_epochs is None:
+            raise ValueError("set train.max_steps or train.max_epochs (or both)")
+        return self
+
+
+class CheckpointSection(Section):
+    every_n_steps: PositiveInt | None = Field(
+        None, description="Save every this many steps; a last checkpoint is always saved at the end."
+    )
+    keep_last: PositiveInt | None = Field(
+        None, description="Keep only the newest this many complete checkpoints (all when unset)."
+    )
+
+
+class RunSpec(Section):
+    run: RunSection = Field(default_factory=RunSection, description="What the run is called and where it goes.")
+    launch: LaunchSection = Field(default_factory=LaunchSection, description="Where and how replicas run.")
+    recipe: RecipeSection = Field(..., description="The user's model, data and loss.")
+    data: DataSection = Field(default_factory=DataSection, description="How batches are made.")
+    optim: OptimSection = Field(default_factory=OptimSection, description="Optimizer and learning-rate schedule.")
+    train: TrainSection = Field(..., description="How long and how to step.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="When to save.")

@@ -1,0 +1,94 @@
+"""The strategy interface: everything the training loop asks of a backend.
+
+The loop calls these methods and never asks which backend it is. A new backend is one new file
+with one subclass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Strategy(ABC):
+    name: str
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Join the process group and pick this replica's device."""
+
+    @abstractmethod
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Place the model on the device and make it distributed."""
+
+    def loader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        """Where batches come from; a backend may prefetch onto its device."""
+        return (self.to_device(batch) for batch in loader)
+
+    def to_device(self, batch: Any) -> Any:
+        non_blocking = self.device.type == "cuda"
+        return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
+
+    @abstractmethod
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The mixed-precision context of the forward pass and loss."""
+
+    def sync_gradients(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-step's forward and backward; `sync=False` skips the gradient
+        all-reduce on all but the last micro-step of an accumulated step."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
+    ) -> torch.Tensor | None:
+        """Clip (when max_norm is set), step and zero the gradients; returns the grad norm."""
+
+    @abstractmethod
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean of a small tensor of metrics over all replicas."""
+
+    def on_step_end(self) -> None:
+        """Called after each optimizer step (XLA cuts its graph here)."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Model, optimizer and precision state, as torch.distributed.checkpoint saves it."""
+
+    @abstractmethod
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None: ...
+
+    def teardown(self) -> None:
+        """Leave the process group."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _map_tensors(batch: Any, fn: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        mapped = [_map_tensors(v, fn) for v in batch]
+        return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
+    return batch
+

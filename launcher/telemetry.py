@@ -1,0 +1,61 @@
+"""What a worker reports, as files the launcher follows: it never blocks on a terminal.
+
+- telemetry/rank-N.jsonl: every rank's own progress (the live status region, and a heartbeat);
+- metrics.jsonl: rank 0's metrics averaged over all ranks;
+- summary.json: rank 0's timings at the end (bench/ reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Telemetry:
+    def __init__(self, run_dir: Path, rank: int, is_main: bool, attempt: int = 0) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self.is_main = is_main
+        self.attempt = attempt
+        self.started = time.time()
+        self.first_step_end: float | None = None
+        self.step_times: list[float] = []
+        (run_dir / "telemetry").mkdir(exist_ok=True)
+        self._heartbeat = open(run_dir / "telemetry" / f"rank-{rank}.jsonl", "a", buffering=1)
+        self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1) if is_main else None
+
+    def step_done(self, seconds: float) -> None:
+        if self.first_step_end is None:
+            self.first_step_end = time.time()
+        self.step_times.append(seconds)
+
+    def heartbeat(self, **fields: Any) -> None:
+        record = {"rank": self.rank, "attempt": self.attempt, "time": time.time(), **fields}
+        record["elapsed_s"] = round(record["time"] - self.started, 3)
+        self._heartbeat.write(json.dumps(record) + "\n")
+
+    def metrics(self, **fields: Any) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({**fields, "time": round(time.time(), 3)}) + "\n")
+
+    def write_summary(self, **fields: Any) -> None:
+        if not self.is_main:
+            return
+        times = self.step_times
+        summary = {
+            "steps_run": len(times),
+            "first_step_end_unix": self.first_step_end,
+            "median_step_s": statistics.median(times) if times else None,
+            "step_times_s": times,
+            "wall_s": time.time() - self.started,
+            **fields,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    def close(self) -> None:
+        self._heartbeat.close()
+        if self._metrics is not None:
+            self._metrics.close()

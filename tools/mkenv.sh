@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Usage: tools/mkenv.sh LINK REQUIREMENTS
+#
+# Builds the dependencies of REQUIREMENTS once, in a cache outside the clone keyed by a hash of
+# what they install, then makes LINK (e.g. .venv) a thin venv of this clone that sees them and
+# holds an editable install of this package. A fresh clone then costs seconds, not a 7 GB download.
+set -euo pipefail
+link=$1 reqs=$2
+py=${PYTHON:-python3.11}
+cache=${LAUNCHER_ENV_CACHE:-$HOME/.cache/launcher/envs}
+key=$( { "$py" -VV; cat "$reqs" "$0"; } | sha256sum | cut -c1-16)
+deps="$cache/$(basename "$link" | tr -d .)-$key"
+
+mkdir -p "$cache"
+exec 9>"$deps.lock"
+flock 9 # two clones building the same env wait for one another instead of racing
+if [ ! -f "$deps/.complete" ]; then
+    echo "mkenv: building $deps from $reqs (once per change of $reqs)"
+    rm -rf "$deps"
+    "$py" -m venv "$deps"
+    "$deps/bin/python" -m pip install --quiet --upgrade pip
+    "$deps/bin/python" -m pip install --quiet -r "$reqs"
+    touch "$deps/.complete"
+fi
+
+site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+stamp="$link/.deps-$key"
+if [ ! -f "$stamp" ] || [ ! -x "$link/bin/python" ]; then
+    rm -rf "$link"
+    "$py" -m venv --without-pip "$link"
+    own=$("$link/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import site; site.addsitedir('$site')" > "$own/_launcher_deps.pth"
+    "$deps/bin/python" -m pip --python "$link/bin/python" install --quiet --no-deps \
+        --no-build-isolation -e .
+    touch "$stamp"
+fi

@@ -18,14 +18,14 @@ demo: env
 	$(VENV)/bin/train --config configs/quickstart.yaml
 
 lint: env
-	$(VENV)/bin/ruff check launcher recipes tests bench
-	$(VENV)/bin/ruff format --check launcher recipes tests bench
+	$(VENV)/bin/python -m ruff check launcher recipes tests bench
+	$(VENV)/bin/python -m ruff format --check launcher recipes tests bench
 
 test: env lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: env
-	$(VENV)/bin/python bench/ddp_step_time.py
+	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

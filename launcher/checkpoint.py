@@ -108,7 +108,9 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     if (path / MARKER).is_file():
         return path
     if (path / META).is_file() or path.name.endswith(".partial"):
-        raise UsageError(f"--resume {arg}: this checkpoint is incomplete (the save was interrupted)")
+        raise UsageError(
+            f"--resume {arg}: this checkpoint is incomplete (the save was interrupted)"
+        )
     latest = latest_complete(path)
     if latest is None:
         raise UsageError(

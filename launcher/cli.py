@@ -56,8 +56,9 @@ def _doc(key: str) -> str:
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The run spec (YAML).")]
 Overrides = Annotated[
     list[str] | None,
-    typer.Argument(help="Overrides of spec keys, e.g. optim.lr=3e-4 train.max_steps=500.",
-                   show_default=False),
+    typer.Argument(
+        help="Overrides of spec keys, e.g. optim.lr=3e-4 train.max_steps=500.", show_default=False
+    ),
 ]
 
 
@@ -68,16 +69,30 @@ def run_command(
     accelerator: Annotated[str | None, typer.Option(help=_doc("accelerator"))] = None,
     devices: Annotated[str | None, typer.Option(help=_doc("devices"))] = None,
     strategy: Annotated[str | None, typer.Option(help=_doc("strategy"))] = None,
-    resume: Annotated[str | None, typer.Option(
-        help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
-        "or `latest` (the newest run of this run.name).")] = None,
-    run_dir: Annotated[Path | None, typer.Option(
-        help="Write this run here instead of <run.output_dir>/<run.name>/<timestamp>; "
-        "an existing run is never overwritten.")] = None,
-    ranks: Annotated[str | None, typer.Option(
-        help="Show only these ranks' output, e.g. 0,2-3. Warnings, errors and tracebacks "
-        "of every rank are always shown.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
+            "or `latest` (the newest run of this run.name)."
+        ),
+    ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write this run here instead of <run.output_dir>/<run.name>/<timestamp>; "
+            "an existing run is never overwritten."
+        ),
+    ] = None,
+    ranks: Annotated[
+        str | None,
+        typer.Option(
+            help="Show only these ranks' output, e.g. 0,2-3. Warnings, errors and tracebacks "
+            "of every rank are always shown."
+        ),
+    ] = None,
+    debug: Annotated[
+        bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")
+    ] = False,
 ) -> None:
     """Train: launch one process per device, wrap the model, stream every replica's logs."""
 

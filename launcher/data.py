@@ -48,7 +48,11 @@ def build_loader(
             f"on each of {world_size} replicas; lower data.batch_size or set data.drop_last=false"
         )
     sampler = ResumableSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=data.shuffle, seed=seed,
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=data.shuffle,
+        seed=seed,
         drop_last=data.drop_last,
     )
     generator = torch.Generator()

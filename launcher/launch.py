@@ -46,16 +46,33 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(plan.run_dir / ".elastic")),
     )
-    args = ["-u", "-m", "launcher.worker", "--run-dir", str(plan.run_dir), "--spec", str(spec_file),
-            "--accelerator", plan.accelerator]
+    args = [
+        "-u",
+        "-m",
+        "launcher.worker",
+        "--run-dir",
+        str(plan.run_dir),
+        "--spec",
+        str(spec_file),
+        "--accelerator",
+        plan.accelerator,
+    ]
     if plan.resume_from is not None:
         args += ["--resume", str(plan.resume_from)]
     verb = "resuming" if plan.resume_from else "starting"
-    console.print(f"{verb} {plan.spec.run.name}: {plan.nproc} x {plan.accelerator}, "
-                  f"strategy {plan.spec.launch.strategy}, run dir {plan.run_dir}",
-                  highlight=False, soft_wrap=True)
-    display = RunDisplay(plan.run_dir, ranks=range(plan.nproc), show=plan.show_ranks,
-                         console=console, title=plan.spec.run.name)
+    console.print(
+        f"{verb} {plan.spec.run.name}: {plan.nproc} x {plan.accelerator}, "
+        f"strategy {plan.spec.launch.strategy}, run dir {plan.run_dir}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    display = RunDisplay(
+        plan.run_dir,
+        ranks=range(plan.nproc),
+        show=plan.show_ranks,
+        console=console,
+        title=plan.spec.run.name,
+    )
     try:
         with display:
             elastic_launch(config, sys.executable)(*args)
@@ -93,8 +110,11 @@ def _report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) -
     log = plan.run_dir / "logs" / f"rank-{rank}.log"
     others = sorted(set(exc.failures) - {rank})
     also = f" (also failed: ranks {', '.join(map(str, others))})" if others else ""
-    console.print(f"[bold red]rank {rank} failed[/] with {how}{also}; its log: {log}",
-                  soft_wrap=True, highlight=False)
+    console.print(
+        f"[bold red]rank {rank} failed[/] with {how}{also}; its log: {log}",
+        soft_wrap=True,
+        highlight=False,
+    )
     # A worker's own usage error (exit 2) is still the user's input to fix.
     return code if code in (1, 2) else (128 - code if code < 0 else 1)
 

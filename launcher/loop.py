@@ -44,7 +44,11 @@ class Trainer:
         self.model = strategy.wrap_model(raw_model)
         dataset = self.recipe.build_dataset("train", **spec.recipe.dataset)
         self.loader = build_loader(
-            dataset, spec.data, strategy.rank, strategy.world_size, spec.run.seed,
+            dataset,
+            spec.data,
+            strategy.rank,
+            strategy.world_size,
+            spec.run.seed,
             pin_memory=strategy.device.type == "cuda",
         )
         self.steps_per_epoch = len(self.loader) // spec.train.grad_accum_steps
@@ -105,7 +109,9 @@ class Trainer:
             self._save()
         final = self._last_loss
         self.telemetry.write_summary(final_loss=final, world_size=self.strategy.world_size)
-        self._say(f"done: {progress.step} steps; last checkpoint {checkpoint.checkpoint_dir(self.run_dir, progress.step)}")
+        self._say(
+            f"done: {progress.step} steps; last checkpoint {checkpoint.checkpoint_dir(self.run_dir, progress.step)}"
+        )
 
     def _step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         accum = self.spec.train.grad_accum_steps
@@ -120,12 +126,17 @@ class Trainer:
             # Accumulate on the device: reading a value here would stall the pipeline.
             total_loss += loss.detach().float()
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0) + torch.as_tensor(v, device=self.strategy.device).detach().float()
+                totals[k] = (
+                    totals.get(k, 0)
+                    + torch.as_tensor(v, device=self.strategy.device).detach().float()
+                )
         self.strategy.optimizer_step(self.model, self.optimizer, self.spec.train.grad_clip_norm)
         self.scheduler.step()
         self.strategy.on_step_end()
         self.progress.step += 1
-        self.progress.samples_in_epoch += accum * self.spec.data.batch_size * self.strategy.world_size
+        self.progress.samples_in_epoch += (
+            accum * self.spec.data.batch_size * self.strategy.world_size
+        )
         return total_loss / accum, {k: v / accum for k, v in totals.items()}
 
     def _log(self, window: _Window) -> None:
@@ -140,9 +151,14 @@ class Trainer:
         step, total = self.progress.step, self.total_steps
         self._last_loss = mean["loss"]
         self.telemetry.heartbeat(
-            step=step, max_steps=total, loss=float(local["loss"]), samples_per_s=rate / self.strategy.world_size
+            step=step,
+            max_steps=total,
+            loss=float(local["loss"]),
+            samples_per_s=rate / self.strategy.world_size,
         )
-        self.telemetry.metrics(step=step, epoch=self.progress.epoch, lr=lr, samples_per_s=rate, **mean)
+        self.telemetry.metrics(
+            step=step, epoch=self.progress.epoch, lr=lr, samples_per_s=rate, **mean
+        )
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self._say(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
@@ -158,7 +174,12 @@ class Trainer:
             "spec": self.spec.model_dump(mode="json"),
         }
         checkpoint.save(
-            self.strategy, self.run_dir, self.progress.step, state, meta, self.spec.checkpoint.keep_last
+            self.strategy,
+            self.run_dir,
+            self.progress.step,
+            state,
+            meta,
+            self.spec.checkpoint.keep_last,
         )
 
     def _restore(self, path: Path) -> None:
@@ -205,4 +226,3 @@ def _total_steps(spec: RunSpec, steps_per_epoch: int) -> int:
     if spec.train.max_epochs:
         limits.append(spec.train.max_epochs * steps_per_epoch)
     return int(min(limits))
-

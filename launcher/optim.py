@@ -11,7 +11,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from launcher.spec import OptimSection, optimizer_class
 
 
-def build_optimizer(optim: OptimSection, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(
+    optim: OptimSection, params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
     return optimizer_class(optim.name)(params, lr=optim.lr, **optim.kwargs)
 
 

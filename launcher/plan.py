@@ -52,7 +52,9 @@ def make_plan(
     resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
     if run_dir is None:
         # A resumed run continues in its own folder; a new run gets a new one.
-        run_dir = resume_from.parent.parent if resume_from else _new_run_dir(output_dir, spec.run.name)
+        run_dir = (
+            resume_from.parent.parent if resume_from else _new_run_dir(output_dir, spec.run.name)
+        )
     elif resume_from is None and _holds_a_run(run_dir):
         raise UsageError(
             f"--run-dir {run_dir}: already holds a run; it is never overwritten",

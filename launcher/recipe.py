@@ -89,8 +89,10 @@ def _import(source: str) -> ModuleType:
     if source.endswith(".py"):
         path = Path(source)
         if not path.is_file():
-            raise UsageError(f"recipe.source: {source} does not exist", hint="Paths in a YAML file "
-                             "are relative to that file.")
+            raise UsageError(
+                f"recipe.source: {source} does not exist",
+                hint="Paths in a YAML file are relative to that file.",
+            )
         # A recipe may import its sibling modules, as a script would.
         sys.path.insert(0, str(path.parent))
         spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)

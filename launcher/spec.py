@@ -10,7 +10,15 @@ import inspect
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_fsdp"]
@@ -22,8 +30,11 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 def _optimizer_names() -> list[str]:
     return sorted(
-        n for n, c in vars(torch.optim).items()
-        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+        n
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type)
+        and issubclass(c, torch.optim.Optimizer)
+        and c is not torch.optim.Optimizer
     )
 
 
@@ -51,7 +62,9 @@ class RunSection(Section):
         description="Name of the run; new runs go to `<output_dir>/<name>/<timestamp>`, "
         "and `--resume latest` picks the newest run of this name.",
     )
-    seed: int = Field(0, description="Seeds python, numpy and torch on every rank, and the sampler.")
+    seed: int = Field(
+        0, description="Seeds python, numpy and torch on every rank, and the sampler."
+    )
     output_dir: str = Field(
         "runs", description="Folder that holds the runs, relative to the working directory."
     )
@@ -111,7 +124,9 @@ class OptimSection(Section):
     schedule: Schedule = Field(
         "constant", description="`constant`, or `cosine` decay to `min_lr_ratio * lr`."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to `lr` over this many steps.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warmup from 0 to `lr` over this many steps."
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Final learning rate of `cosine`, as a fraction of `lr`."
     )
@@ -140,9 +155,7 @@ class OptimSection(Section):
 
 
 class TrainSection(Section):
-    max_steps: PositiveInt | None = Field(
-        None, description="Stop after this many optimizer steps."
-    )
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
     max_epochs: PositiveInt | None = Field(
         None, description="Stop after this many passes over the data (whichever limit comes first)."
     )
@@ -169,7 +182,8 @@ class TrainSection(Section):
 
 class CheckpointSection(Section):
     every_n_steps: PositiveInt | None = Field(
-        None, description="Save every this many steps; a last checkpoint is always saved at the end."
+        None,
+        description="Save every this many steps; a last checkpoint is always saved at the end.",
     )
     keep_last: PositiveInt | None = Field(
         None, description="Keep only the newest this many complete checkpoints (all when unset)."
@@ -177,10 +191,18 @@ class CheckpointSection(Section):
 
 
 class RunSpec(Section):
-    run: RunSection = Field(default_factory=RunSection, description="What the run is called and where it goes.")
-    launch: LaunchSection = Field(default_factory=LaunchSection, description="Where and how replicas run.")
+    run: RunSection = Field(
+        default_factory=RunSection, description="What the run is called and where it goes."
+    )
+    launch: LaunchSection = Field(
+        default_factory=LaunchSection, description="Where and how replicas run."
+    )
     recipe: RecipeSection = Field(..., description="The user's model, data and loss.")
     data: DataSection = Field(default_factory=DataSection, description="How batches are made.")
-    optim: OptimSection = Field(default_factory=OptimSection, description="Optimizer and learning-rate schedule.")
+    optim: OptimSection = Field(
+        default_factory=OptimSection, description="Optimizer and learning-rate schedule."
+    )
     train: TrainSection = Field(..., description="How long and how to step.")
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="When to save.")
+    checkpoint: CheckpointSection = Field(
+        default_factory=CheckpointSection, description="When to save."
+    )

@@ -47,7 +47,9 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
         key = loader.construct_object(key_node, deep=True)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})",
+                None,
+                None,
+                f"duplicate key {key!r} (first on line {seen[key] + 1})",
                 key_node.start_mark,
             )
         seen[key] = key_node.start_mark.line
@@ -59,7 +61,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 def parse_yaml_value(text: str) -> Any:
     """A value as YAML reads it: `3e-4` is a float, `true` a bool, `[1, 2]` a list."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    return yaml.load(text, Loader=_Loader)
 
 
 def load_spec(
@@ -120,7 +122,7 @@ def _read_yaml(path: Path) -> tuple[Any, dict[str, str]]:
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise UsageError(f"--config {path}: cannot read it ({exc.__class__.__name__})") from None
     try:
-        raw = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+        raw = yaml.load(text, Loader=_Loader)
         lines = _key_lines(yaml.compose(text, Loader=_Loader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -180,10 +182,16 @@ def _explain(err: dict, path: list[str]) -> str:
     if kind == "missing":
         return "required, but missing"
     expected = {
-        "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "an integer",
-        "float_parsing": "a number", "float_type": "a number",
-        "bool_parsing": "true or false", "bool_type": "true or false",
-        "string_type": "a string", "dict_type": "a mapping", "model_type": "a mapping",
+        "int_parsing": "an integer",
+        "int_type": "an integer",
+        "int_from_float": "an integer",
+        "float_parsing": "a number",
+        "float_type": "a number",
+        "bool_parsing": "true or false",
+        "bool_type": "true or false",
+        "string_type": "a string",
+        "dict_type": "a mapping",
+        "model_type": "a mapping",
         "model_attributes_type": "a mapping",
     }.get(kind)
     if expected:

@@ -24,8 +24,14 @@ class Telemetry:
         self.first_step_end: float | None = None
         self.step_times: list[float] = []
         (run_dir / "telemetry").mkdir(exist_ok=True)
-        self._heartbeat = open(run_dir / "telemetry" / f"rank-{rank}.jsonl", "a", buffering=1)
-        self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1) if is_main else None
+        # Held open for the whole run (closed by close()); line-buffered so each record lands whole.
+        heartbeat = run_dir / "telemetry" / f"rank-{rank}.jsonl"
+        self._heartbeat = open(heartbeat, "a", buffering=1)  # noqa: SIM115
+        self._metrics = (
+            open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            if is_main
+            else None
+        )
 
     def step_done(self, seconds: float) -> None:
         if self.first_step_end is None:

@@ -41,7 +41,9 @@ class Strategy(ABC):
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The mixed-precision context of the forward pass and loss."""
 
-    def sync_gradients(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    def sync_gradients(
+        self, model: nn.Module, sync: bool
+    ) -> contextlib.AbstractContextManager[Any]:
         """Around a micro-step's forward and backward; `sync=False` skips the gradient
         all-reduce on all but the last micro-step of an accumulated step."""
         return contextlib.nullcontext()
@@ -59,7 +61,7 @@ class Strategy(ABC):
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of a small tensor of metrics over all replicas."""
 
-    def on_step_end(self) -> None:
+    def on_step_end(self) -> None:  # noqa: B027 (an optional hook)
         """Called after each optimizer step (XLA cuts its graph here)."""
 
     @abstractmethod
@@ -74,7 +76,7 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None: ...
 
-    def teardown(self) -> None:
+    def teardown(self) -> None:  # noqa: B027 (an optional hook)
         """Leave the process group."""
 
     @property
@@ -91,4 +93,3 @@ def _map_tensors(batch: Any, fn: Any) -> Any:
         mapped = [_map_tensors(v, fn) for v in batch]
         return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
     return batch
-

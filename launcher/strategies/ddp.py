@@ -20,6 +20,8 @@ class DDPStrategy(TorchDistributedStrategy):
         # Bucket views save a copy of every gradient into the all-reduce buckets.
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
-    def sync_gradients(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    def sync_gradients(
+        self, model: nn.Module, sync: bool
+    ) -> contextlib.AbstractContextManager[Any]:
         assert isinstance(model, DistributedDataParallel)
         return contextlib.nullcontext() if sync else model.no_sync()

@@ -35,7 +35,8 @@ class TorchDistributedStrategy(Strategy):
             backend = "gloo"
         if not dist.is_initialized():
             dist.init_process_group(
-                backend, device_id=self.device if backend == "nccl" else None,
+                backend,
+                device_id=self.device if backend == "nccl" else None,
                 timeout=timedelta(minutes=10),
             )
         self.precision = MixedPrecision(self.precision_name, self.device.type)

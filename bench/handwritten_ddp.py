@@ -1,0 +1,102 @@
+"""The hand-written torchrun DDP baseline that the launcher is benchmarked against.
+
+This is what a careful user writes without a launcher: the same recipe (recipes/gpt.py),
+plain DDP over gloo, a DistributedSampler, AdamW, and nothing else in the loop.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/handwritten_ddp.py \\
+        --steps 50 --out /tmp/handwritten.json
+
+Rank 0 writes {"steps_run", "first_step_end_unix", "step_times_s"} to --out, the same
+format the launcher's worker writes to RUN_DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from recipes import gpt
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=16, help="per process")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--max-bytes", type=int, default=gpt.DEFAULT_MAX_BYTES)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+
+    model = gpt.build_model(
+        block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
+    model = DDP(model)
+    dataset = gpt.build_dataset("train", block_size=args.block_size, max_bytes=args.max_bytes)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0, drop_last=True
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    epoch = 0
+    sampler.set_epoch(epoch)
+    batches = iter(loader)
+    step_times: list[float] = []
+    first_step_end_unix = None
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            epoch += 1
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            batch = next(batches)
+        loss = gpt.loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        step_times.append(time.perf_counter() - start)
+        if first_step_end_unix is None:
+            first_step_end_unix = time.time()
+        optimizer.zero_grad(set_to_none=True)
+
+    if rank == 0:
+        summary = {
+            "steps_run": len(step_times),
+            "first_step_end_unix": first_step_end_unix,
+            "step_times_s": step_times,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary))
+        median_ms = 1000 * statistics.median(step_times)
+        print(f"{len(step_times)} steps, median {median_ms:.1f} ms/step, loss {loss.item():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("run this under torchrun; see the module docstring")
+    main()

@@ -1,0 +1,114 @@
+"""Follow many growing files by polling and hand back their complete lines.
+
+Workers own the writing end; we only ever open files read-only and never lock them, so
+a slow display can fall behind but can never stall a worker.
+"""
+
+import os
+from collections.abc import Hashable, Mapping
+from pathlib import Path
+from typing import BinaryIO, Generic, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)
+
+# Bounds one poll's work per file, so one flooding rank cannot starve the others.
+READ_CHUNK_BYTES = 4 << 20
+# A "line" with no newline this long (e.g. a progress bar redrawn with \r) is emitted
+# anyway rather than buffered forever.
+MAX_PENDING_BYTES = 1 << 20
+
+
+def decode_line(raw: bytes) -> str:
+    """Decode one line as a terminal would show it: only the text after its last ``\\r``."""
+    text = raw.decode("utf-8", errors="replace").rstrip("\r")
+    return text.rsplit("\r", 1)[-1]
+
+
+class FileTail:
+    """Follows one file that may not exist yet; returns only complete lines."""
+
+    def __init__(self, path: Path, *, from_end: bool = False) -> None:
+        """``from_end``: skip what the file already holds now (e.g. a previous run's log)."""
+        self.path = Path(path)
+        self._file: BinaryIO | None = None
+        self._pending = b""
+        self._offset = self._current_size() if from_end else 0
+
+    def read_lines(self) -> list[str]:
+        """New complete lines since the last call; a trailing partial line is kept back."""
+        data = self._read_new()
+        if not data:
+            return []
+        *complete, self._pending = (self._pending + data).split(b"\n")
+        if len(self._pending) > MAX_PENDING_BYTES:
+            complete.append(self._pending)
+            self._pending = b""
+        return [decode_line(raw) for raw in complete]
+
+    def flush(self) -> list[str]:
+        """Like read_lines, plus the trailing partial line, for when the writer is done."""
+        lines = self.read_lines()
+        if self._pending:
+            lines.append(decode_line(self._pending))
+            self._pending = b""
+        return lines
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _current_size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+    def _read_new(self) -> bytes:
+        if self._file is None and not self._open():
+            return b""
+        assert self._file is not None
+        data = self._file.read(READ_CHUNK_BYTES)
+        if data:
+            return data
+        if self._was_replaced():
+            # Start over on the new file; what was pending belonged to the old one.
+            self.close()
+            self._offset, self._pending = 0, b""
+            return self._read_new() if self._open() else b""
+        return b""
+
+    def _open(self) -> bool:
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 - kept open across polls
+        except OSError:
+            return False
+        self._file.seek(min(self._offset, os.fstat(self._file.fileno()).st_size))
+        return True
+
+    def _was_replaced(self) -> bool:
+        assert self._file is not None
+        try:
+            on_disk = os.stat(self.path)
+        except OSError:
+            return False
+        mine = os.fstat(self._file.fileno())
+        truncated = on_disk.st_ino == mine.st_ino and mine.st_size < self._file.tell()
+        return on_disk.st_ino != mine.st_ino or truncated
+
+
+class MultiTail(Generic[Key]):
+    """Follows one file per key (e.g. per rank); lines come back in key order per poll."""
+
+    def __init__(self, paths: Mapping[Key, Path], *, from_end: bool = False) -> None:
+        self._tails = {key: FileTail(path, from_end=from_end) for key, path in paths.items()}
+
+    def poll(self) -> list[tuple[Key, str]]:
+        return [(key, line) for key, tail in self._tails.items() for line in tail.read_lines()]
+
+    def flush(self) -> list[tuple[Key, str]]:
+        return [(key, line) for key, tail in self._tails.items() for line in tail.flush()]
+
+    def close(self) -> None:
+        for tail in self._tails.values():
+            tail.close()

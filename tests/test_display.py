@@ -1,0 +1,382 @@
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import launcher.display.console as display_console
+from launcher.display import RunDisplay
+from launcher.display.alerts import AlertDetector, looks_like_alert
+from launcher.display.coalesce import Coalescer
+from launcher.display.lines import format_line
+from launcher.display.status import TelemetryBoard, format_elapsed, parse_telemetry
+from launcher.display.tail import FileTail, MultiTail
+
+# -- tailing ---------------------------------------------------------------------------
+
+
+def append(path: Path, data: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def test_tail_waits_for_a_late_file_and_holds_back_partial_lines(tmp_path):
+    path = tmp_path / "logs" / "rank-0.log"
+    tail = FileTail(path)
+    assert tail.read_lines() == []
+    append(path, "one\ntw")
+    assert tail.read_lines() == ["one"]
+    assert tail.read_lines() == []
+    append(path, "o\nthree")
+    assert tail.read_lines() == ["two"]
+    assert tail.flush() == ["three"]
+    assert tail.flush() == []
+
+
+def test_tail_decodes_like_a_terminal(tmp_path):
+    path = tmp_path / "rank-0.log"
+    tail = FileTail(path)
+    append(path, b"bad \xff\xfe bytes\r\ncaf\xc3")  # "é" split across two writes
+    assert tail.read_lines() == ["bad \ufffd\ufffd bytes"]
+    append(path, b"\xa9\n 10%\r 50%\r100%\n  spaces kept  \n")
+    assert tail.read_lines() == ["café", "100%", "  spaces kept  "]
+
+
+def test_tail_from_end_skips_what_an_earlier_run_left(tmp_path):
+    path = tmp_path / "rank-0.log"
+    append(path, "old run\n")
+    tail = FileTail(path, from_end=True)
+    append(path, "new run\n")
+    assert tail.read_lines() == ["new run"]
+
+
+def test_tail_starts_over_when_the_file_is_replaced(tmp_path):
+    path = tmp_path / "rank-0.log"
+    tail = FileTail(path)
+    append(path, "first file\nhalf")
+    assert tail.read_lines() == ["first file"]
+    path.unlink()
+    append(path, "second\n")
+    assert tail.read_lines() == ["second"]
+
+
+def test_multi_tail_returns_lines_per_key_in_key_order(tmp_path):
+    paths = {rank: tmp_path / f"rank-{rank}.log" for rank in (0, 1)}
+    tails = MultiTail(paths)
+    append(paths[1], "b1\nb2\n")
+    append(paths[0], "a1\na2")
+    assert tails.poll() == [(0, "a1"), (1, "b1"), (1, "b2")]
+    assert tails.flush() == [(0, "a2")]
+
+
+# -- alerts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "/data/x.py:3: UserWarning: TypedStorage is deprecated",
+        "WARNING:root:slow step",
+        "2024-01-01 ERROR lost connection",
+        "RuntimeError: CUDA error: device-side assert triggered",
+        "train.py: error: unrecognized arguments",
+        "Fatal Python error: Segmentation fault",
+        "Segmentation fault (core dumped)",
+        "node1:123:456 [0] NCCL WARN Call to connect returned Connection refused",
+        "NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled system error",
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        "[W socket.cpp:663] [c10d] The client socket has failed to connect",
+        "E1121 10:28:00.123000 123 torch/distributed/elastic/agent.py:1] failed",
+        "KeyboardInterrupt",
+    ],
+)
+def test_warnings_and_errors_are_alerts(line):
+    assert looks_like_alert(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "step 10/200 loss 0.53",
+        "loading data [1/2] from /tmp/errors",
+        "error_rate=0.01 no errors",
+        "Warm-up done",
+        "",
+    ],
+)
+def test_ordinary_lines_are_not_alerts(line):
+    assert not looks_like_alert(line)
+
+
+CHAINED_TRACEBACK = [
+    ("step 3", False),
+    ("Traceback (most recent call last):", True),
+    ('  File "train.py", line 3, in <module>', True),
+    ("    step([batch])", True),
+    ("    ~~~~^^^^^^^^^", True),
+    ("StopIteration: done", True),
+    ("", True),
+    ("During handling of the above exception, another exception occurred:", True),
+    ("", True),
+    ("Traceback (most recent call last):", True),
+    ('  File "train.py", line 5, in <module>', True),
+    ("CustomFailure: [shape] mismatch", True),
+    ("after the block", False),
+    ("  indented but ordinary", False),
+]
+
+
+def test_a_chained_traceback_is_one_alert_block():
+    detector = AlertDetector()
+    assert [(line, detector.is_alert(0, line)) for line, _ in CHAINED_TRACEBACK] == (
+        CHAINED_TRACEBACK
+    )
+
+
+def test_traceback_state_is_per_rank():
+    detector = AlertDetector()
+    assert detector.is_alert(0, "Traceback (most recent call last):")
+    assert not detector.is_alert(1, "  ordinary indented line of rank 1")
+    assert detector.is_alert(0, '  File "x.py", line 1, in f')
+    assert not detector.is_alert(1, "Done")
+    assert detector.is_alert(0, "Done")  # flush-left: rank 0's exception line
+    assert not detector.is_alert(0, "next")
+
+
+# -- coalescing ------------------------------------------------------------------------
+
+
+def test_identical_lines_within_the_window_merge():
+    lines = Coalescer(window_s=0.2)
+    lines.add(0, "loading", now=0.0)
+    lines.add(1, "loading", now=0.1)
+    assert lines.ready(now=0.19) == []
+    assert lines.ready(now=0.2) == [(frozenset({0, 1}), "loading")]
+    assert lines.flush() == []
+
+
+def test_identical_lines_outside_the_window_stay_apart():
+    lines = Coalescer(window_s=0.2)
+    lines.add(0, "loading", now=0.0)
+    lines.add(1, "loading", now=0.25)
+    assert lines.ready(now=1.0) == [(frozenset({0}), "loading"), (frozenset({1}), "loading")]
+
+
+def test_a_rank_repeating_itself_gives_two_lines():
+    lines = Coalescer(window_s=0.2)
+    for rank, now in ((0, 0.0), (0, 0.01), (1, 0.02), (1, 0.03), (2, 0.04)):
+        lines.add(rank, "tick", now=now)
+    assert lines.flush() == [(frozenset({0, 1, 2}), "tick"), (frozenset({0, 1}), "tick")]
+
+
+def test_merging_never_reorders_a_ranks_own_lines():
+    lines = Coalescer(window_s=0.2)
+    lines.add(0, "x", now=0.0)
+    lines.add(0, "y", now=0.0)
+    lines.add(1, "y", now=0.05)
+    lines.add(1, "x", now=0.05)  # rank 1 printed y first, so it cannot join the earlier x
+    assert lines.ready(now=0.3) == [
+        (frozenset({0}), "x"),
+        (frozenset({0, 1}), "y"),
+        (frozenset({1}), "x"),
+    ]
+
+
+def test_a_line_every_expected_rank_printed_goes_at_once_but_in_order():
+    lines = Coalescer(window_s=0.2, expected=[0, 1])
+    lines.add(0, "a", now=0.0)
+    lines.add(1, "a", now=0.0)
+    assert lines.ready(now=0.0) == [(frozenset({0, 1}), "a")]
+    lines.add(0, "b", now=0.0)
+    lines.add(0, "c", now=0.0)
+    lines.add(1, "c", now=0.0)
+    assert lines.ready(now=0.1) == []  # "c" is complete but must not overtake "b"
+    assert lines.ready(now=0.2) == [(frozenset({0}), "b"), (frozenset({0, 1}), "c")]
+
+
+# -- line format and telemetry ---------------------------------------------------------
+
+
+def render(renderable, terminal=False, width=60) -> str:
+    out = io.StringIO()
+    Console(file=out, force_terminal=terminal, width=width).print(renderable, soft_wrap=True)
+    return out.getvalue()
+
+
+def test_format_line_keeps_text_verbatim():
+    assert render(format_line([3], "[red]x[/red] :smile:")) == "[rank 3] [red]x[/red] :smile:\n"
+    assert render(format_line([0, 1, 2, 5], "\x1b[31mred\x1b[0m")) == "[ranks 0-2,5] red\n"
+    coloured = render(format_line([1], "[b]"), terminal=True)
+    assert coloured == "\x1b[35m[rank 1] \x1b[0m[b]\n"
+
+
+def test_parse_telemetry_is_tolerant():
+    line = '{"rank": 0, "step": 12, "loss": 0.5, "attempt": true, "note": "x", "max_steps": "?"}'
+    assert parse_telemetry(line) == {"step": 12, "loss": 0.5}
+    assert parse_telemetry('{"step": 1') == {}
+    assert parse_telemetry("[1, 2]") == {}
+    assert parse_telemetry("") == {}
+
+
+def test_telemetry_board_renders_one_row_per_rank():
+    board = TelemetryBoard([0, 1, 2])
+    board.update(0, '{"step": 5, "max_steps": 200, "loss": 9.9, "elapsed_s": 1.0}')
+    full = '{"step": 12, "max_steps": 200, "loss": 0.53, "samples_per_s": 1234.5, "elapsed_s": 3.2}'
+    assert board.update(0, full)
+    assert not board.update(1, "not json")
+    assert board.update(1, '{"step": 7, "loss": 1.25, "samples_per_s": 12.34, "elapsed_s": 3725}')
+    lines = [line.rstrip() for line in render(board.render("demo", "attempt 1/3")).splitlines()]
+    assert lines == [
+        "demo · attempt 1/3",
+        " rank     step   loss   samples/s   elapsed",
+        "─" * 44,
+        "    0   12/200   0.53       1,234      3.2s",
+        "    1        7   1.25        12.3   1:02:05",
+        "    2        -      -           -         -",
+    ]
+
+
+def test_telemetry_board_summarizes_ranks_beyond_the_row_limit():
+    board = TelemetryBoard(range(20))
+    for rank in range(20):
+        board.update(rank, json.dumps({"step": 10 + rank, "max_steps": 50, "loss": rank}))
+    lines = render(board.render()).splitlines()
+    assert len(lines) == 2 + 16
+    assert lines[-2].split() == ["14", "24/50", "14", "-", "-"]
+    assert lines[-1].split() == ["15-19", "25/50", "17", "-", "-"]
+
+
+def test_format_elapsed():
+    assert [format_elapsed(s) for s in (None, 3.21, 59.9, 245, 3723)] == [
+        "-",
+        "3.2s",
+        "59.9s",
+        "4:05",
+        "1:02:03",
+    ]
+
+
+# -- RunDisplay end to end -------------------------------------------------------------
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the display"
+        time.sleep(0.02)
+
+
+def wait_for(out: io.StringIO, text: str) -> None:
+    wait_until(lambda: text in out.getvalue())
+
+
+def plain_display(run_dir: Path, **kwargs) -> tuple[RunDisplay, io.StringIO]:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=40)
+    return RunDisplay(run_dir, [0, 1], console=console, **kwargs), out
+
+
+@pytest.mark.timeout(30)
+def test_run_display_prints_plain_prefixed_merged_unwrapped_lines(tmp_path):
+    logs = tmp_path / "logs"
+    long_line = "long " + "x" * 95
+    display, out = plain_display(tmp_path, coalesce_window_s=1.0)
+    with display:
+        append(logs / "rank-0.log", "hello [world]\n")
+        append(logs / "rank-1.log", "hello [world]\n")
+        wait_for(out, "hello [world]\n")
+        append(logs / "rank-0.log", long_line + "\n")
+        wait_for(out, long_line)
+        append(logs / "rank-1.log", "[1/2] [bold]not markup[/bold]\nno newline yet")
+        wait_for(out, "[/bold]\n")
+    display.stop()  # idempotent
+    assert "\x1b" not in out.getvalue()
+    assert out.getvalue().splitlines() == [
+        "[ranks 0-1] hello [world]",
+        f"[rank 0] {long_line}",
+        "[rank 1] [1/2] [bold]not markup[/bold]",
+        "[rank 1] no newline yet",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_ranks_filter_hides_ordinary_lines_but_not_tracebacks(tmp_path):
+    logs = tmp_path / "logs"
+    append(logs / "rank-0.log", "an earlier run's line\n")
+    display, out = plain_display(tmp_path, show=frozenset({0}))
+    with display:
+        append(
+            logs / "rank-1.log",
+            "ordinary line\n"
+            "Traceback (most recent call last):\n"
+            '  File "train.py", line 3, in <module>\n'
+            "    step([batch])\n"
+            "ValueError: bad [shape]\n"
+            "after the traceback\n",
+        )
+        wait_for(out, "ValueError")
+        append(logs / "rank-0.log", "rank zero\n")
+        append(logs / "rank-1.log", "rank one\n")
+        wait_for(out, "rank zero")
+    assert out.getvalue().splitlines() == [
+        "[rank 1] Traceback (most recent call last):",
+        '[rank 1]   File "train.py", line 3, in <module>',
+        "[rank 1]     step([batch])",
+        "[rank 1] ValueError: bad [shape]",
+        "[rank 0] rank zero",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_display_errors_are_reported_once_and_the_display_goes_on(tmp_path, monkeypatch):
+    calls = []
+
+    def fail_on_lost(ranks, text):
+        calls.append(text)
+        if text.startswith("lost"):
+            raise RuntimeError(f"boom {text}")
+        return format_line(ranks, text)
+
+    monkeypatch.setattr(display_console, "format_line", fail_on_lost)
+    display, out = plain_display(tmp_path, show=frozenset({0}))
+    log = tmp_path / "logs" / "rank-0.log"
+    with display:
+        append(log, "lost 1\n")
+        wait_for(out, "boom")
+        append(log, "lost 2\n")
+        wait_until(lambda: "lost 2" in calls)
+        append(log, "kept\n")
+        wait_for(out, "kept")
+    assert out.getvalue().splitlines() == [
+        "launcher display error (the run continues): RuntimeError('boom lost 1')",
+        "[rank 0] kept",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_run_display_on_a_terminal_shows_telemetry_and_stops_cleanly(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=80)
+    stdout = sys.stdout
+    display = RunDisplay(tmp_path, [0, 1], console=console, title="quickstart")
+    display.start()
+    display.set_status("attempt 1/3")
+    record = {"rank": 0, "step": 12, "max_steps": 200, "loss": 0.53, "samples_per_s": 1234.5}
+    append(tmp_path / "telemetry" / "rank-0.jsonl", json.dumps(record) + '\n{"step": 13, "lo')
+    append(tmp_path / "logs" / "rank-0.log", "step 12\n")
+    wait_for(out, "12/200")
+    wait_for(out, "step 12\n")
+    display.stop()
+    display.stop()
+    final = out.getvalue()
+    assert "\x1b[36m[rank 0] \x1b[0mstep 12\n" in final
+    assert "quickstart · attempt 1/3" in final
+    # Live leaves its last frame: the half-written record never replaced the full one.
+    last_row = [line for line in final.splitlines() if "12/200" in line][-1]
+    assert "0.53" in last_row and "1,234" in last_row
+    assert final.endswith("\x1b[?25h")  # cursor shown again
+    assert sys.stdout is stdout

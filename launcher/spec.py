@@ -87,8 +87,8 @@ class LaunchSection(Section):
     )
     strategy: StrategyName = Field(
         "ddp",
-        description="How replicas share work: `ddp` (replicated model, all-reduced gradients), "
-        "`fsdp`, `xla`, `xla_fsdp`.",
+        description="How replicas share work: `ddp` (a model replica per process, gradients "
+        "all-reduced). `fsdp`, `xla` and `xla_fsdp` are reserved names, not yet available.",
     )
 
 

@@ -56,6 +56,9 @@ def _train(args: argparse.Namespace) -> int:
     strategy = build_strategy(spec.launch.strategy, args.accelerator, spec.train.precision)
     try:
         strategy.setup()
+        # torch.distributed prefixes tracebacks with "[rankN]:"; the display already says which
+        # rank, and a prefixed "Traceback" line would hide the block from the alert filter.
+        sys.excepthook = sys.__excepthook__
         trainer = Trainer(spec, load_recipe(spec.recipe.source), strategy, args.run_dir)
         trainer.fit(resume_from=args.resume)
     except LauncherError as exc:

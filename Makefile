@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV := .venv
 export PYTHON
 
-.PHONY: demo test lint bench env clean
+.PHONY: demo test lint bench env clean docs
 
 env: $(VENV)/.ready
 
@@ -29,3 +29,6 @@ bench: env
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+docs: env
+	$(VENV)/bin/python -m launcher.spec_docs --write

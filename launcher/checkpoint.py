@@ -19,12 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
 
-from launcher.errors import UsageError
+from launcher.errors import RunError, UsageError
 from launcher.strategies.base import Strategy
 
 MARKER = "COMPLETE"
@@ -69,13 +65,15 @@ def save(
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never a published one
         staging.mkdir(parents=True)
     strategy.barrier()
+    import torch.distributed.checkpoint as dcp  # 0.5 s of imports: not on the way to step 1
+
     dcp.save(state, checkpoint_id=staging)
     strategy.barrier()
     if strategy.is_main:
         _write_synced(staging / META, json.dumps({**meta, "step": step, "time": time.time()}))
         _write_synced(staging / MARKER, "")
-        if final.exists():  # the same step saved again (e.g. final save right after a periodic one)
-            shutil.rmtree(final)
+        if final.exists():  # never replace a published checkpoint (the plan prevents this)
+            raise RunError(f"{final} already exists; not overwriting it")
         os.replace(staging, final)
         _fsync_dir(final.parent)
         if keep_last:
@@ -87,7 +85,9 @@ def save(
 
 def load(path: Path, state: dict[str, Any]) -> None:
     """Collective: fills `state` in place from a checkpoint, never unpickling arbitrary code."""
-    dcp.load(state, checkpoint_id=path, planner=_WeightsOnlyLoadPlanner())
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=path, planner=_weights_only_planner())
 
 
 def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
@@ -120,15 +120,21 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     return latest
 
 
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+def _weights_only_planner():  # type: ignore[no-untyped-def]
     """DCP's default planner unpickles non-tensor values with weights_only=False."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # type: ignore[no-untyped-def]
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                fqn = self.mappings[read_item.dest_index.fqn]
+                set_element(self.original_state_dict, fqn, obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return WeightsOnlyLoadPlanner()
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -11,8 +11,10 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -87,9 +89,15 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
 
 def prepare_run_dir(plan: LaunchPlan) -> Path:
     """Creates the run folder (never world-writable) and saves the resolved spec into it."""
+    # A new run claims its folder atomically: two launches never share one.
+    fresh = plan.resume_from is None and not (
+        plan.run_dir.is_dir() and not any(plan.run_dir.iterdir())
+    )
     try:
-        plan.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
         (plan.run_dir / "logs").mkdir(exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"--run-dir {plan.run_dir}: appeared while starting; run again") from None
     except OSError as exc:
         raise UsageError(f"--run-dir {plan.run_dir}: cannot create it ({exc.strerror})") from None
     if not os.access(plan.run_dir, os.W_OK):
@@ -104,19 +112,24 @@ def prepare_run_dir(plan: LaunchPlan) -> Path:
 
 
 def _report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) -> int:
-    rank, failure = min(exc.failures.items())
+    rank, failure = root_cause(exc.failures)
     code = failure.exitcode
     how = f"exit code {code}" if code >= 0 else f"signal {-code}"
     log = plan.run_dir / "logs" / f"rank-{rank}.log"
     others = sorted(set(exc.failures) - {rank})
-    also = f" (also failed: ranks {', '.join(map(str, others))})" if others else ""
+    also = f" (then stopped: ranks {', '.join(map(str, others))})" if others else ""
     console.print(
-        f"[bold red]rank {rank} failed[/] with {how}{also}; its log: {log}",
+        Text(f"rank {rank} failed", style="bold red") + Text(f" with {how}{also}; its log: {log}"),
         soft_wrap=True,
-        highlight=False,
     )
     # A worker's own usage error (exit 2) is still the user's input to fix.
     return code if code in (1, 2) else (128 - code if code < 0 else 1)
+
+
+def root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that failed first by itself, not one the agent stopped because of it."""
+    own = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
+    return min(own.items(), key=lambda item: (item[1].timestamp, item[0]))
 
 
 def _quiet_elastic(debug: bool) -> None:

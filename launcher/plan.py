@@ -32,11 +32,6 @@ class LaunchPlan:
     omp_threads: int
     debug: bool = False
 
-    @property
-    def continues_run(self) -> bool:
-        """Resuming into the run folder the checkpoint belongs to."""
-        return self.resume_from is not None and self.resume_from.parent.parent == self.run_dir
-
 
 def make_plan(
     spec: RunSpec,
@@ -50,11 +45,19 @@ def make_plan(
     nproc = resolve_devices(spec.launch.devices, accelerator)
     output_dir = Path(spec.run.output_dir)
     resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
-    if run_dir is None:
-        # A resumed run continues in its own folder; a new run gets a new one.
-        run_dir = (
-            resume_from.parent.parent if resume_from else _new_run_dir(output_dir, spec.run.name)
-        )
+    if run_dir is None and resume_from is not None:
+        # A resumed run continues in its own folder, which must not hold newer checkpoints:
+        # continuing from an older one would overwrite them.
+        run_dir = resume_from.parent.parent
+        newest = checkpoint.latest_complete(run_dir)
+        if newest != resume_from:
+            raise UsageError(
+                f"--resume {resume_from}: its run already has a newer checkpoint ({newest}); "
+                "continuing in place would overwrite it",
+                hint="Branch off with --run-dir NEW_FOLDER, or resume the newest checkpoint.",
+            )
+    elif run_dir is None:
+        run_dir = _new_run_dir(output_dir, spec.run.name)
     elif resume_from is None and _holds_a_run(run_dir):
         raise UsageError(
             f"--run-dir {run_dir}: already holds a run; it is never overwritten",

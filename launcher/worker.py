@@ -15,7 +15,10 @@ from pathlib import Path
 
 def redirect_output(log_file: Path) -> None:
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    # A killed earlier attempt may have left half a line; start ours on a line of its own.
+    if os.fstat(fd).st_size and os.pread(fd, 1, os.fstat(fd).st_size - 1) != b"\n":
+        os.write(fd, b"\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from launcher.precision import MixedPrecision
 from launcher.strategies.base import Strategy
@@ -68,12 +67,16 @@ class TorchDistributedStrategy(Strategy):
         dist.barrier()
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
         return {"model": model_sd, "optim": optim_sd, "precision": self.precision.state_dict()}
 
     def load_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )

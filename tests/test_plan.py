@@ -1,0 +1,76 @@
+"""Pure decisions: which checkpoint to resume, which folder a run writes to, how many processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from launcher.checkpoint import MARKER, latest_complete, resolve_resume
+from launcher.errors import UsageError
+from launcher.plan import make_plan
+from launcher.spec import RunSpec
+
+
+def _checkpoint(run: Path, step: int, complete: bool = True) -> Path:
+    path = run / "checkpoints" / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / MARKER).write_text("")
+    return path
+
+
+def _spec(tmp_path: Path, **launch) -> RunSpec:
+    return RunSpec.model_validate(
+        {
+            "run": {"name": "exp", "output_dir": str(tmp_path / "runs")},
+            "launch": {"accelerator": "cpu", **launch},
+            "recipe": {"source": "r.py"},
+            "train": {"max_steps": 1},
+        }
+    )
+
+
+def test_latest_complete_ignores_partial_and_foreign_folders(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _checkpoint(run, 100)
+    _checkpoint(run, 300, complete=False)  # a save that was interrupted
+    (run / "checkpoints" / ".step-00000400.partial").mkdir()
+    (run / "checkpoints" / "notes").mkdir()
+    assert latest_complete(run) == run / "checkpoints" / "step-00000100"
+    _checkpoint(run, 1000)  # numeric, not lexicographic, order
+    assert latest_complete(run) == run / "checkpoints" / "step-00001000"
+
+
+def test_resume_latest_picks_the_newest_run_with_a_complete_checkpoint(tmp_path: Path) -> None:
+    runs = tmp_path / "runs" / "exp"
+    old = _checkpoint(runs / "20260101-000000", 5)
+    newer_without = runs / "20260102-000000"
+    newer_without.mkdir(parents=True)
+    os.utime(old.parent.parent, (1, 1))
+    assert resolve_resume("latest", tmp_path / "runs", "exp") == old
+    assert resolve_resume(str(runs / "20260101-000000"), tmp_path / "runs", "exp") == old
+    assert resolve_resume(str(old), tmp_path / "runs", "exp") == old
+    with pytest.raises(UsageError, match="neither a checkpoint nor a run folder"):
+        resolve_resume(str(newer_without), tmp_path / "runs", "exp")
+
+
+def test_resume_continues_in_the_checkpoints_run_but_never_over_newer_ones(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "exp" / "20260101-000000"
+    first, _ = _checkpoint(run, 5), _checkpoint(run, 10)
+    plan = make_plan(_spec(tmp_path), resume="latest")
+    assert plan.run_dir == run and plan.resume_from == run / "checkpoints" / "step-00000010"
+    with pytest.raises(UsageError, match="already has a newer checkpoint"):
+        make_plan(_spec(tmp_path), resume=str(first))
+    branch = make_plan(_spec(tmp_path), resume=str(first), run_dir=tmp_path / "branch")
+    assert branch.run_dir == tmp_path / "branch" and branch.resume_from == first
+
+
+def test_new_runs_get_new_folders_and_cpu_threads_are_shared(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    plan = make_plan(_spec(tmp_path, devices=2))
+    assert plan.run_dir.parent == tmp_path / "runs" / "exp" and not plan.run_dir.exists()
+    assert plan.nproc == 2 and plan.accelerator == "cpu"
+    assert plan.omp_threads == max(1, (os.cpu_count() or 1) // 2)
+    assert make_plan(_spec(tmp_path, devices="auto")).nproc == 1

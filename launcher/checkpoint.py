@@ -1,25 +1,28 @@
 """Checkpoints: torch.distributed.checkpoint (DCP) folders, published atomically.
 
-Layout: RUN_DIR/checkpoints/step-00000100/ holds DCP's files, `meta.json` (progress and the
-spec, as JSON) and a `COMPLETE` marker. A checkpoint is written under a hidden temporary name
-and renamed into place only once every rank has finished writing, so a crash mid-save never
-leaves a folder that looks complete. Old checkpoints are pruned only after a new one is
-complete.
+Layout: RUN_DIR/checkpoints/step-00000100/ holds DCP's files (model, optimizer, precision
+state, each rank writing its own part), `rank-N.pt` (each rank's RNG and loop state),
+`meta.json` (progress, scheduler and the spec, as JSON) and a `COMPLETE` marker.
+
+A checkpoint is written under a hidden `.step-N.partial` name and renamed into place by rank 0
+only once every rank has finished writing, so a crash at any moment of a save never leaves a
+folder that looks complete. Old checkpoints are pruned only after a new one is published.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from launcher.checkpoint_format import check_matches, weights_only_planner
 from launcher.errors import RunError, UsageError
 from launcher.strategies.base import Strategy
 
@@ -50,66 +53,149 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / META).read_text())
 
 
-def save(
-    strategy: Strategy,
-    run_dir: Path,
-    step: int,
-    state: dict[str, Any],
-    meta: dict[str, Any],
-    keep_last: int | None,
-) -> Path:
-    """Collective: every rank calls it with its own shard of `state`."""
-    final = checkpoint_dir(run_dir, step)
-    staging = final.with_name(f".{final.name}.partial")
-    if strategy.is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never a published one
-        staging.mkdir(parents=True)
-    strategy.barrier()
-    import torch.distributed.checkpoint as dcp  # 0.5 s of imports: not on the way to step 1
+@dataclass
+class _Pending:
+    step: int
+    staging: Path
+    meta: dict[str, Any]
+    future: Any
 
-    dcp.save(state, checkpoint_id=staging)
-    strategy.barrier()
-    if strategy.is_main:
-        _write_synced(staging / META, json.dumps({**meta, "step": step, "time": time.time()}))
+
+class Checkpointer:
+    """Saves checkpoints; every method is collective (all ranks call it at the same step).
+
+    With `use_async`, `save` returns at once: DCP copies the state to memory in a background
+    thread while the next forward and backward run (`before_update` waits for the copy before
+    the optimizer changes the state), then writes the files in another background thread over
+    a process group of its own, so that its collectives never interleave with training's. The
+    checkpoint is published when the write has finished (`poll`, once per step) and before the
+    next save starts.
+    """
+
+    def __init__(
+        self, strategy: Strategy, run_dir: Path, keep_last: int | None, use_async: bool
+    ) -> None:
+        self.strategy = strategy
+        self.run_dir = run_dir
+        self.keep_last = keep_last
+        self.use_async = use_async
+        self._pending: _Pending | None = None
+        self._staging: Any = None  # the background copy of the state, while it runs
+        self._group = strategy.checkpoint_group() if use_async else None
+        self._stager = _background_stager() if use_async else None
+
+    def save(
+        self, step: int, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]
+    ) -> None:
+        import torch.distributed.checkpoint as dcp  # 0.5 s of imports: not on the way to step 1
+
+        self.wait()
+        final = checkpoint_dir(self.run_dir, step)
+        staging = final.with_name(f".{final.name}.partial")
+        if self.strategy.is_main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never a published one
+            staging.mkdir(parents=True)
+        self.strategy.barrier()
+        _save_synced(rank_state, staging / f"rank-{self.strategy.rank}.pt")
+        meta = {**meta, "step": step, "time": time.time()}
+        if self.use_async:
+            response = dcp.async_save(
+                state,
+                checkpoint_id=staging,
+                process_group=self._group,
+                **({"async_stager": self._stager} if self._stager else {}),
+            )
+            future = getattr(response, "upload_completion", response)
+            self._staging = getattr(response, "staging_completion", None)
+            self._pending = _Pending(step, staging, meta, future)
+        else:
+            dcp.save(state, checkpoint_id=staging)
+            self._publish(staging, final, meta)
+            self.strategy.barrier()
+
+    def before_update(self) -> float:
+        """Waits for a background copy of the state (before the optimizer changes it);
+        returns the seconds waited."""
+        if self._staging is None:
+            return 0.0
+        started = time.perf_counter()
+        self._staging.result()
+        self._staging = None
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+
+    def poll(self) -> None:
+        """Publishes a finished background save; never blocks."""
+        if self._pending is not None and self._pending.future.done():
+            self._finish()
+
+    def wait(self) -> None:
+        """Blocks until the pending save, if any, is written and published."""
+        if self._pending is not None:
+            self._finish()
+            self.strategy.barrier()
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        pending.future.result()  # a failed write raises here, on the training thread
+        # Rank 0's write ends with DCP gathering every rank's results, so all are on disk.
+        final = checkpoint_dir(self.run_dir, pending.step)
+        self._publish(pending.staging, final, pending.meta)
+
+    def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+        if not self.strategy.is_main:
+            return
+        _write_synced(staging / META, json.dumps(meta))
         _write_synced(staging / MARKER, "")
         if final.exists():  # never replace a published checkpoint (the plan prevents this)
             raise RunError(f"{final} already exists; not overwriting it")
         os.replace(staging, final)
         _fsync_dir(final.parent)
-        if keep_last:
-            for old in complete_checkpoints(run_dir)[:-keep_last]:
+        if self.keep_last:
+            for old in complete_checkpoints(self.run_dir)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    strategy.barrier()
-    return final
 
 
-def load(path: Path, state: dict[str, Any]) -> None:
-    """Collective: fills `state` in place from a checkpoint, never unpickling arbitrary code."""
+def load(path: Path, state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+    """Collective: fills `state` in place, never unpickling arbitrary code.
+
+    Returns this rank's own saved state (RNG, loop), or None when the checkpoint was saved
+    with another world size, where per-rank streams cannot continue exactly.
+    """
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=path, planner=_weights_only_planner())
+    check_matches(path, state)
+    dcp.load(state, checkpoint_id=path, planner=weights_only_planner())
+    if read_meta(path).get("world_size") != world_size:
+        return None
+    return torch.load(path / f"rank-{rank}.pt", weights_only=True)
 
 
 def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     """`--resume` accepts a checkpoint folder, a run folder, or `latest` (newest run of `name`)."""
     if arg == "latest":
         runs = sorted((output_dir / name).glob("*/"), key=lambda p: p.stat().st_mtime)
-        with_ckpt = [(r, latest_complete(r)) for r in runs]
-        with_ckpt = [(r, c) for r, c in with_ckpt if c is not None]
-        if not with_ckpt:
+        found = [c for c in map(latest_complete, runs) if c is not None]
+        if not found:
             raise UsageError(
-                f"--resume latest: no run named {name!r} under {output_dir} has a complete checkpoint",
+                f"--resume latest: no run named {name!r} under {output_dir} has a complete "
+                "checkpoint",
                 hint="Pass a run or checkpoint folder to --resume, or start without it.",
             )
-        return with_ckpt[-1][1]  # type: ignore[return-value]
+        return found[-1]
     path = Path(arg)
     if not path.exists():
         raise UsageError(f"--resume {arg}: no such folder")
     if (path / MARKER).is_file():
         return path
-    if (path / META).is_file() or path.name.endswith(".partial"):
+    if path.name.endswith(".partial") or (path / ".metadata").is_file():
         raise UsageError(
-            f"--resume {arg}: this checkpoint is incomplete (the save was interrupted)"
+            f"--resume {arg}: this checkpoint is incomplete (its save was interrupted)"
         )
     latest = latest_complete(path)
     if latest is None:
@@ -120,21 +206,28 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     return latest
 
 
-def _weights_only_planner():  # type: ignore[no-untyped-def]
-    """DCP's default planner unpickles non-tensor values with weights_only=False."""
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+def _background_stager() -> Any:
+    """A stager that copies the state to memory in a thread of its own, reusing its buffers
+    from one save to the next; None where this torch has none (the copy then blocks)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+    )
 
-    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # type: ignore[no-untyped-def]
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                fqn = self.mappings[read_item.dest_index.fqn]
-                set_element(self.original_state_dict, fqn, obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
 
-    return WeightsOnlyLoadPlanner()
+def _save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_synced(path: Path, text: str) -> None:

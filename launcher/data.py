@@ -55,8 +55,6 @@ def build_loader(
         seed=seed,
         drop_last=data.drop_last,
     )
-    generator = torch.Generator()
-    generator.manual_seed(seed + rank)
     return DataLoader(
         dataset,
         batch_size=data.batch_size,
@@ -64,6 +62,16 @@ def build_loader(
         num_workers=data.num_workers,
         drop_last=data.drop_last,
         pin_memory=pin_memory,
-        persistent_workers=data.num_workers > 0,
-        generator=generator,
+        # Workers restart each epoch and are seeded by start_epoch(), so a resumed epoch's
+        # workers get the same seeds as the original's (persistent ones would keep old seeds).
+        persistent_workers=False,
+        generator=torch.Generator(),
     )
+
+
+def start_epoch(loader: DataLoader, epoch: int, skip_samples: int, seed: int, rank: int) -> None:
+    """Positions the loader at `skip_samples` into this replica's share of `epoch`."""
+    loader.sampler.set_epoch(epoch, skip=skip_samples)  # type: ignore[attr-defined]
+    # DataLoader worker seeds are drawn from this generator: make them a function of the epoch.
+    assert loader.generator is not None
+    loader.generator.manual_seed((seed * 1_000_003 + epoch) * 65_537 + rank)

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from launcher import checkpoint
-from launcher.data import build_loader
+from launcher.data import build_loader, start_epoch
 from launcher.errors import RunError
+from launcher.metrics_window import MetricsWindow
 from launcher.optim import build_optimizer, build_scheduler
 from launcher.recipe import Recipe
-from launcher.rng import seed_everything
+from launcher.rng import rng_state, seed_everything, set_rng_state
 from launcher.spec import RunSpec
 from launcher.strategies import Strategy
 from launcher.telemetry import Telemetry
@@ -61,9 +62,13 @@ class Trainer:
         self.optimizer = build_optimizer(spec.optim, self.model.parameters())
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
         self.progress = Progress()
+        self.window = MetricsWindow()
         if resume_from is not None:
             self._restore(resume_from)
         self.telemetry = Telemetry(self.run_dir, strategy.rank, strategy.is_main)
+        self.checkpointer = checkpoint.Checkpointer(
+            strategy, self.run_dir, spec.checkpoint.keep_last, spec.checkpoint.async_
+        )
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         self._say(
             f"{n_params:,} parameters | {strategy.name} on {strategy.world_size} x "
@@ -84,34 +89,34 @@ class Trainer:
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
         saved_at = progress.step
-        window = _Window()
         while progress.step < self.total_steps:
             per_replica = progress.samples_in_epoch // self.strategy.world_size
-            self.loader.sampler.set_epoch(progress.epoch, skip=per_replica)  # type: ignore[attr-defined]
+            start_epoch(self.loader, progress.epoch, per_replica, spec.run.seed, self.strategy.rank)
             batches = iter(self.strategy.loader(self.loader))
             left = len(self.loader) // spec.train.grad_accum_steps
             for _ in range(min(left, self.total_steps - progress.step)):
                 started = time.perf_counter()
                 loss, metrics = self._step(batches)
                 self.telemetry.step_done(time.perf_counter() - started)
-                window.add(loss, metrics)
+                self.window.add(loss, metrics)
                 if progress.step % spec.train.log_every == 0 or progress.step == self.total_steps:
-                    self._log(window)
-                    window = _Window()
+                    self._log()
                 every = spec.checkpoint.every_n_steps
                 if every and progress.step % every == 0:
                     self._save()
                     saved_at = progress.step
+                self.checkpointer.poll()
             if progress.step < self.total_steps:  # the epoch ran out before the step budget
                 progress.epoch += 1
                 progress.samples_in_epoch = 0
         if saved_at != progress.step:
             self._save()
-        final = self._last_loss
-        self.telemetry.write_summary(final_loss=final, world_size=self.strategy.world_size)
-        self._say(
-            f"done: {progress.step} steps; last checkpoint {checkpoint.checkpoint_dir(self.run_dir, progress.step)}"
+        self.checkpointer.close()
+        self.telemetry.write_summary(
+            final_loss=self._last_loss, world_size=self.strategy.world_size
         )
+        last = checkpoint.checkpoint_dir(self.run_dir, progress.step)
+        self._say(f"done: {progress.step} steps; last checkpoint {last}")
 
     def _step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         accum = self.spec.train.grad_accum_steps
@@ -126,10 +131,11 @@ class Trainer:
             # Accumulate on the device: reading a value here would stall the pipeline.
             total_loss += loss.detach().float()
             for k, v in metrics.items():
-                totals[k] = (
-                    totals.get(k, 0)
-                    + torch.as_tensor(v, device=self.strategy.device).detach().float()
-                )
+                value = torch.as_tensor(v, device=self.strategy.device).detach().float()
+                totals[k] = totals[k] + value if k in totals else value
+        waited = self.checkpointer.before_update()
+        if waited:
+            self.telemetry.checkpoint_blocked(waited, same_save=True)
         self.strategy.optimizer_step(self.model, self.optimizer, self.spec.train.grad_clip_norm)
         self.scheduler.step()
         self.strategy.on_step_end()
@@ -139,86 +145,72 @@ class Trainer:
         )
         return total_loss / accum, {k: v / accum for k, v in totals.items()}
 
-    def _log(self, window: _Window) -> None:
-        local = window.mean()
+    def _log(self) -> None:
+        local = self.window.mean()
         names = list(local)
         reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names])).tolist()
         mean = dict(zip(names, reduced, strict=True))
-        elapsed = time.perf_counter() - window.started
-        samples = window.steps * self.spec.train.grad_accum_steps * self.spec.data.batch_size
-        rate = samples * self.strategy.world_size / elapsed
+        per_step = self.window.seconds_per_step()
+        rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
         lr = self.scheduler.get_last_lr()[0]
         step, total = self.progress.step, self.total_steps
         self._last_loss = mean["loss"]
         self.telemetry.heartbeat(
-            step=step,
-            max_steps=total,
-            loss=float(local["loss"]),
-            samples_per_s=rate / self.strategy.world_size,
+            step=step, max_steps=total, loss=float(local["loss"]), samples_per_s=rate
         )
+        rate *= self.strategy.world_size
         self.telemetry.metrics(
             step=step, epoch=self.progress.epoch, lr=lr, samples_per_s=rate, **mean
         )
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self._say(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
-            f"{rate:,.0f} samples/s | {1000 * elapsed / window.steps:.1f} ms/step"
+            f"{rate:,.0f} samples/s | {1000 * per_step:.1f} ms/step"
         )
+        self.window = MetricsWindow()
 
     def _save(self) -> None:
-        state = self.strategy.state_dict(self.model, self.optimizer)
+        started = time.perf_counter()
         meta = {
             "progress": asdict(self.progress),
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.strategy.world_size,
-            "spec": self.spec.model_dump(mode="json"),
+            "spec": self.spec.model_dump(mode="json", by_alias=True),
         }
-        checkpoint.save(
-            self.strategy,
-            self.run_dir,
-            self.progress.step,
-            state,
-            meta,
-            self.spec.checkpoint.keep_last,
-        )
+        rank_state = {
+            "rng": rng_state(),
+            "window": self.window.state_dict(),
+            "recipe": self.recipe.state_dict(),
+        }
+        state = self.strategy.state_dict(self.model, self.optimizer)
+        self.checkpointer.save(self.progress.step, state, meta, rank_state)
+        self.telemetry.checkpoint_blocked(time.perf_counter() - started)
 
     def _restore(self, path: Path) -> None:
         state = self.strategy.state_dict(self.model, self.optimizer)
-        try:
-            checkpoint.load(path, state)
-        except Exception as exc:  # DCP wraps per-rank failures; the first line says what
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RunError(
-                f"--resume {path}: cannot load this checkpoint into the model: {first}",
-                hint="Resume with the same recipe and model arguments the checkpoint was saved with.",
-            ) from exc
+        own = checkpoint.load(path, state, self.strategy.rank, self.strategy.world_size)
         self.strategy.load_state_dict(self.model, self.optimizer, state)
         meta = checkpoint.read_meta(path)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.progress = Progress(**meta["progress"])
+        if own is None:
+            # Saved with another world size: per-rank streams cannot continue; reseed them.
+            seed_everything(self.spec.run.seed + self.progress.step + self.strategy.rank)
+            self._say(
+                f"resuming with {self.strategy.world_size} replicas instead of "
+                f"{meta['world_size']}: model, optimizer and data position continue; "
+                "random streams are reseeded"
+            )
+            return
+        set_rng_state(own["rng"])
+        self.window.load_state_dict(own["window"], self.strategy.device)
+        self.recipe.load_state_dict(own["recipe"])
 
     def _say(self, text: str, every_rank: bool = False) -> None:
         if every_rank or self.strategy.is_main:
             print(text, flush=True)
 
     _last_loss: float | None = None
-
-
-class _Window:
-    """Metrics of the steps since the last log line, kept on the device until then."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.steps = 0
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
-        self.steps += 1
-        for k, v in {"loss": loss, **metrics}.items():
-            self.sums[k] = self.sums[k] + v if k in self.sums else v
-
-    def mean(self) -> dict[str, torch.Tensor]:
-        return {k: v / self.steps for k, v in self.sums.items()}
 
 
 def _total_steps(spec: RunSpec, steps_per_epoch: int) -> int:

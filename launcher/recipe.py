@@ -4,6 +4,8 @@ A recipe defines:
   build_model(**model) -> nn.Module
   build_dataset(split, **dataset) -> torch.utils.data.Dataset
   loss(model, batch) -> Tensor | (Tensor, dict of metrics)
+and may define `state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a
+checkpoint must keep (tensors, numbers, strings, lists and dicts of them).
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ class Recipe:
 
     def build_dataset(self, split: str, **kwargs: Any) -> torch.utils.data.Dataset:
         return call_user("recipe.dataset", self.module.build_dataset, split, **kwargs)
+
+    def state_dict(self) -> Any:
+        """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
+        hook = getattr(self.module, "state_dict", None)
+        return hook() if callable(hook) else None
+
+    def load_state_dict(self, state: Any) -> None:
+        hook = getattr(self.module, "load_state_dict", None)
+        if callable(hook) and state is not None:
+            hook(state)
 
     def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """The recipe's loss, always as (loss, metrics)."""

@@ -188,6 +188,12 @@ class CheckpointSection(Section):
     keep_last: PositiveInt | None = Field(
         None, description="Keep only the newest this many complete checkpoints (all when unset)."
     )
+    async_: bool = Field(
+        False,
+        alias="async",
+        description="Write checkpoints in the background: training waits only while the state "
+        "is copied to memory.",
+    )
 
 
 class RunSpec(Section):

@@ -28,6 +28,7 @@ def config_reference() -> str:
         assert isinstance(model, type) and issubclass(model, BaseModel)
         rows.append(f"| **`{section}`** | | {field.description} |")
         for key, sub in model.model_fields.items():
+            key = sub.alias or key
             rows.append(f"| `{section}.{key}` | {_default(sub)} | {sub.description} |")
     return "\n".join(rows)
 

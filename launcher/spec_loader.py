@@ -111,7 +111,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def spec_to_yaml(spec: RunSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(spec.model_dump(mode="json", by_alias=True), sort_keys=False)
 
 
 def _read_yaml(path: Path) -> tuple[Any, dict[str, str]]:
@@ -214,4 +214,4 @@ def _valid_keys(section_path: list[str]) -> list[str]:
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation
-    return list(model.model_fields)
+    return [f.alias or name for name, f in model.model_fields.items()]

@@ -23,6 +23,7 @@ class Telemetry:
         self.started = time.time()
         self.first_step_end: float | None = None
         self.step_times: list[float] = []
+        self.checkpoint_times: list[float] = []
         (run_dir / "telemetry").mkdir(exist_ok=True)
         # Held open for the whole run (closed by close()); line-buffered so each record lands whole.
         heartbeat = run_dir / "telemetry" / f"rank-{rank}.jsonl"
@@ -37,6 +38,13 @@ class Telemetry:
         if self.first_step_end is None:
             self.first_step_end = time.time()
         self.step_times.append(seconds)
+
+    def checkpoint_blocked(self, seconds: float, same_save: bool = False) -> None:
+        """How long training waited for a checkpoint save (`same_save`: more of the last one)."""
+        if same_save and self.checkpoint_times:
+            self.checkpoint_times[-1] += seconds
+        else:
+            self.checkpoint_times.append(seconds)
 
     def heartbeat(self, **fields: Any) -> None:
         record = {"rank": self.rank, "attempt": self.attempt, "time": time.time(), **fields}
@@ -56,6 +64,7 @@ class Telemetry:
             "first_step_end_unix": self.first_step_end,
             "median_step_s": statistics.median(times) if times else None,
             "step_times_s": times,
+            "checkpoint_blocked_s": self.checkpoint_times,
             "wall_s": time.time() - self.started,
             **fields,
         }

@@ -38,7 +38,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def die_with_parent() -> None:
+    """The agent starts workers in sessions of their own; if it is killed (even by SIGKILL),
+    the kernel kills this worker too instead of leaving it training on its own."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(args.run_dir / "logs" / f"rank-{rank}.log")

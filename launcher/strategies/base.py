@@ -67,6 +67,10 @@ class Strategy(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    def checkpoint_group(self) -> Any:
+        """A process group for background checkpoint writes, apart from training's."""
+        return None
+
     @abstractmethod
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Model, optimizer and precision state, as torch.distributed.checkpoint saves it."""

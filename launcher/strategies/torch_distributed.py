@@ -66,6 +66,11 @@ class TorchDistributedStrategy(Strategy):
     def barrier(self) -> None:
         dist.barrier()
 
+    def checkpoint_group(self) -> Any:
+        # gloo: DCP's async writer needs a CPU backend, and its own group keeps its
+        # collectives from interleaving with the training step's.
+        return dist.new_group(backend="gloo")
+
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 

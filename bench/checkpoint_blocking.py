@@ -1,0 +1,73 @@
+"""How long a checkpoint save blocks training: sync against `checkpoint.async: true`.
+
+    python bench/checkpoint_blocking.py
+
+Trains the gpt recipe (about 5M parameters, ~60 MB of model and AdamW state) on 2 CPU
+processes with a checkpoint every 10 steps, once with each mode, and reads the time each
+save kept rank 0 from training (RUN_DIR/summary.json, `checkpoint_blocked_s`). The last save,
+at the end of the run, waits for its write in both modes and is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = Path(sys.executable).parent / "train"
+ARGS = [
+    "--config",
+    str(REPO / "bench" / "gpt_bench.yaml"),
+    "recipe.model={n_layer: 6, n_head: 8, n_embd: 256, block_size: 128}",
+    "train.max_steps=60",
+    "train.log_every=60",
+    "checkpoint.every_n_steps=10",
+]
+
+
+def run(mode_async: bool, folder: Path) -> dict:
+    run_dir = folder / ("async" if mode_async else "sync")
+    cmd = [
+        str(TRAIN),
+        *ARGS,
+        f"checkpoint.async={str(mode_async).lower()}",
+        "--run-dir",
+        str(run_dir),
+    ]
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, timeout=900)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    blocked = summary["checkpoint_blocked_s"][:-1]  # the final save always waits
+    return {
+        "saves": len(blocked),
+        "blocked_ms_median": 1000 * statistics.median(blocked),
+        "blocked_ms_max": 1000 * max(blocked),
+        "step_ms_median": 1000 * summary["median_step_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/checkpoint_blocking.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {"sync": run(False, Path(tmp)), "async": run(True, Path(tmp))}
+    ratio = results["async"]["blocked_ms_median"] / results["sync"]["blocked_ms_median"]
+    print("| mode | saves | blocked ms (median) | blocked ms (max) | step ms (median) |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, r in results.items():
+        print(
+            f"| {mode} | {r['saves']} | {r['blocked_ms_median']:.1f} | {r['blocked_ms_max']:.1f} "
+            f"| {r['step_ms_median']:.1f} |"
+        )
+    print(f"\nasync blocks {100 * ratio:.1f}% of the sync time (target: under 10%)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**results, "async_over_sync": ratio}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Reading DCP checkpoints safely, and saying precisely why one does not fit the model.
+
+DCP unpickles its `.metadata` file and non-tensor values with full pickle. Here the metadata
+is first read with an unpickler that only builds DCP's own metadata classes, and values are
+loaded with `weights_only=True`: loading a checkpoint never runs code from it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.errors import UsageError
+
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (
+            module.startswith("torch.distributed.checkpoint.")
+            or dtype
+            or (module, name) in _ALLOWED
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_metadata(path: Path) -> Any:
+    try:
+        with open(path / ".metadata", "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise UsageError(f"--resume {path}: no .metadata file; not a complete checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise UsageError(
+            f"--resume {path}: corrupt or unsafe checkpoint metadata ({exc})"
+        ) from None
+
+
+def check_matches(path: Path, state: dict[str, Any], limit: int = 8) -> None:
+    """Raises a UsageError listing missing, unexpected and mis-shaped model keys."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    saved = read_metadata(path).state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+    ours = {k: v for k, v in flat.items() if k.startswith("model.")}
+    theirs = {k: v for k, v in saved.items() if k.startswith("model.")}
+    problems = [f"missing from the checkpoint: {k}" for k in sorted(ours.keys() - theirs.keys())]
+    problems += [f"not in the model: {k}" for k in sorted(theirs.keys() - ours.keys())]
+    for key in sorted(ours.keys() & theirs.keys()):
+        size = getattr(theirs[key], "size", None)
+        if size is not None and tuple(size) != tuple(ours[key].shape):
+            problems.append(
+                f"shape of {key}: checkpoint {list(size)}, model {list(ours[key].shape)}"
+            )
+    if problems:
+        more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
+        raise UsageError(
+            f"--resume {path}: this checkpoint does not fit the model "
+            f"({len(problems)} mismatched key{'s' if len(problems) > 1 else ''}):",
+            details=problems[:limit] + more,
+            hint="Resume with the recipe and recipe.model arguments it was saved with "
+            "(see its meta.json), or start a new run.",
+        )
+
+
+def weights_only_planner() -> Any:
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return WeightsOnlyLoadPlanner()

@@ -1,0 +1,60 @@
+"""The Checkpointer's own contract, in one real gloo process: publication is atomic, pruning
+waits for completeness, and a background save holds the state as it was when saved."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import checkpoint
+from launcher.strategies.ddp import DDPStrategy
+
+
+@pytest.fixture
+def strategy(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
+        monkeypatch.setenv(key, value)
+    strategy = DDPStrategy("cpu", "fp32")
+    strategy.setup()
+    yield strategy
+    strategy.teardown()
+
+
+def _load(path: Path, like: torch.Tensor) -> torch.Tensor:
+    state = {"model": {"w": torch.empty_like(like)}}
+    checkpoint.load(path, state, rank=0, world_size=1)
+    return state["model"]["w"]
+
+
+@pytest.mark.timeout(120)
+def test_background_save_holds_the_state_as_it_was(tmp_path: Path, strategy) -> None:
+    weights = torch.zeros(64 * 1024 * 1024 // 4)  # 64 MB: copying it takes a while
+    saver = checkpoint.Checkpointer(strategy, tmp_path, keep_last=None, use_async=True)
+    saver.save(1, {"model": {"w": weights}}, {"world_size": 1}, {})
+    saver.before_update()  # what the loop does before the optimizer changes the weights
+    weights.add_(1.0)
+    saver.close()
+    saved = _load(checkpoint.checkpoint_dir(tmp_path, 1), weights)
+    assert torch.count_nonzero(saved) == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_async", [False, True])
+def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, use_async) -> None:
+    saver = checkpoint.Checkpointer(strategy, tmp_path, keep_last=2, use_async=use_async)
+    for step in (1, 2, 3):
+        saver.save(step, {"model": {"w": torch.full((4,), float(step))}}, {"world_size": 1}, {})
+        saver.before_update()
+    saver.close()
+    names = [p.name for p in checkpoint.complete_checkpoints(tmp_path)]
+    assert names == ["step-00000002", "step-00000003"]
+    assert not list((tmp_path / "checkpoints").glob(".*partial"))
+    assert _load(tmp_path / "checkpoints" / "step-00000003", torch.zeros(4)).tolist() == [3.0] * 4

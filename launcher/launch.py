@@ -23,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from launcher.display import RunDisplay
 from launcher.errors import RunError, UsageError
 from launcher.plan import LaunchPlan
+from launcher.ranks import format_ranks
 from launcher.spec_loader import spec_to_yaml
 
 SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
@@ -117,7 +118,13 @@ def _report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) -
     how = f"exit code {code}" if code >= 0 else f"signal {-code}"
     log = plan.run_dir / "logs" / f"rank-{rank}.log"
     others = sorted(set(exc.failures) - {rank})
-    also = f" (then stopped: ranks {', '.join(map(str, others))})" if others else ""
+    failed = [r for r in others if exc.failures[r].exitcode > 0]
+    stopped = [r for r in others if r not in failed]
+    also = "".join(
+        f" ({label}: ranks {format_ranks(ranks)})"
+        for label, ranks in (("also failed", failed), ("then stopped", stopped))
+        if ranks
+    )
     console.print(
         Text(f"rank {rank} failed", style="bold red") + Text(f" with {how}{also}; its log: {log}"),
         soft_wrap=True,

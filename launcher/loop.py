@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from launcher import checkpoint
+from launcher import checkpoint, memory
 from launcher.data import build_loader, start_epoch
 from launcher.errors import RunError
 from launcher.metrics_window import MetricsWindow
 from launcher.optim import build_optimizer, build_scheduler
-from launcher.recipe import Recipe
+from launcher.recipe import Recipe, WeightInit
 from launcher.rng import rng_state, seed_everything, set_rng_state
 from launcher.spec import RunSpec
 from launcher.strategies import Strategy
@@ -40,9 +40,13 @@ class Trainer:
     def fit(self, resume_from: Path | None = None) -> None:
         spec, strategy = self.spec, self.strategy
         seed_everything(spec.run.seed)
-        raw_model = self.recipe.build_model(**spec.recipe.model)
-        n_params = sum(p.numel() for p in raw_model.parameters())
-        self.model = strategy.wrap_model(raw_model)
+        rss_before_build = memory.rss_bytes()
+        self.model = strategy.build_model(
+            lambda: self.recipe.build_model(**spec.recipe.model),
+            WeightInit(self.recipe, spec.run.seed),
+        )
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.memory = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         dataset = self.recipe.build_dataset("train", **spec.recipe.dataset)
         self.loader = build_loader(
             dataset,
@@ -102,37 +106,45 @@ class Trainer:
                 if progress.step % spec.train.log_every == 0 or progress.step == self.total_steps:
                     self._log()
                 every = spec.checkpoint.every_n_steps
-                if every and progress.step % every == 0:
+                if every and progress.step % every == 0 and spec.checkpoint.enabled:
                     self._save()
                     saved_at = progress.step
                 self.checkpointer.poll()
             if progress.step < self.total_steps:  # the epoch ran out before the step budget
                 progress.epoch += 1
                 progress.samples_in_epoch = 0
-        if saved_at != progress.step:
+        if saved_at != progress.step and spec.checkpoint.enabled:
             self._save()
         self.checkpointer.close()
-        self.telemetry.write_summary(
-            final_loss=self._last_loss, world_size=self.strategy.world_size
+        self.memory.update(
+            params=memory.local_bytes(self.model.parameters()),
+            optimizer=memory.optimizer_bytes(self.optimizer),
+            peak_rss=memory.peak_rss_bytes(),
         )
-        last = checkpoint.checkpoint_dir(self.run_dir, progress.step)
-        self._say(f"done: {progress.step} steps; last checkpoint {last}")
+        self.telemetry.write_summary(
+            final_loss=self._last_loss, world_size=self.strategy.world_size, memory=self.memory
+        )
+        last = checkpoint.latest_complete(self.run_dir)
+        self._say(f"done: {progress.step} steps" + (f"; last checkpoint {last}" if last else ""))
 
     def _step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         accum = self.spec.train.grad_accum_steps
-        total_loss = torch.zeros((), device=self.strategy.device)
+        total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
         for i in range(accum):
             batch = next(batches)
             with self.strategy.sync_gradients(self.model, sync=i == accum - 1):
                 with self.strategy.autocast():
                     loss, metrics = self.recipe.loss(self.model, batch)
-                self.strategy.backward(loss / accum)
+                self.strategy.backward(loss / accum if accum > 1 else loss)
             # Accumulate on the device: reading a value here would stall the pipeline.
-            total_loss += loss.detach().float()
+            loss = loss.detach().float()
+            total_loss = loss if total_loss is None else total_loss + loss
             for k, v in metrics.items():
                 value = torch.as_tensor(v, device=self.strategy.device).detach().float()
                 totals[k] = totals[k] + value if k in totals else value
+        if "grads" not in self.memory:
+            self.memory["grads"] = memory.local_bytes(p.grad for p in self.model.parameters())
         waited = self.checkpointer.before_update()
         if waited:
             self.telemetry.checkpoint_blocked(waited, same_save=True)
@@ -143,6 +155,9 @@ class Trainer:
         self.progress.samples_in_epoch += (
             accum * self.spec.data.batch_size * self.strategy.world_size
         )
+        assert total_loss is not None
+        if accum == 1:
+            return total_loss, totals
         return total_loss / accum, {k: v / accum for k, v in totals.items()}
 
     def _log(self) -> None:

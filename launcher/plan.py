@@ -80,7 +80,7 @@ def make_plan(
 
 
 def resolve_accelerator(requested: str, strategy: str) -> str:
-    if strategy not in available_strategies():
+    if requested != "tpu" and strategy not in available_strategies():
         raise UsageError(
             f"launch.strategy: {strategy!r} is not available in this version "
             f"(available: {', '.join(available_strategies())})"
@@ -92,6 +92,12 @@ def resolve_accelerator(requested: str, strategy: str) -> str:
         raise UsageError(
             f"--accelerator gpu: no CUDA GPU is visible (torch {torch.__version__}, {build})",
             hint="Use --accelerator cpu, or install a CUDA build of torch on a machine with a GPU.",
+        )
+    if requested == "tpu" and strategy in ("ddp", "fsdp"):
+        raise UsageError(
+            f"--accelerator tpu: strategy {strategy!r} is for CPUs and GPUs; TPUs use "
+            f"{'xla_fsdp' if strategy == 'fsdp' else 'xla'} (torch_xla), which this version "
+            "does not support yet"
         )
     if requested == "tpu":
         raise UsageError(

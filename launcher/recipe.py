@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from launcher.errors import UsageError
+from launcher.rng import seed_everything
 
 REQUIRED = ("build_model", "build_dataset", "loss")
 
@@ -43,6 +44,24 @@ class Recipe:
     def build_dataset(self, split: str, **kwargs: Any) -> torch.utils.data.Dataset:
         return call_user("recipe.dataset", self.module.build_dataset, split, **kwargs)
 
+    def defines_init(self, model: torch.nn.Module) -> bool:
+        """Whether the recipe or the model has an explicit `init_weights`."""
+        return callable(getattr(self.module, "init_weights", None)) or callable(
+            getattr(model, "init_weights", None)
+        )
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        """The recipe's `init_weights(model)`, else the model's own `init_weights()`, else every
+        submodule's `reset_parameters()` (what their constructors ran)."""
+        if callable(getattr(self.module, "init_weights", None)):
+            self.module.init_weights(model)
+        elif callable(getattr(model, "init_weights", None)):
+            model.init_weights()  # type: ignore[operator]
+        else:
+            for module in model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()  # type: ignore[operator]
+
     def state_dict(self) -> Any:
         """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
         hook = getattr(self.module, "state_dict", None)
@@ -58,6 +77,26 @@ class Recipe:
         out = self.module.loss(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         return loss, dict(metrics)
+
+
+@dataclass(frozen=True)
+class WeightInit:
+    """How weights get their first values, the same whichever strategy builds the model.
+
+    The generators are reset to `seed` first, so a model built on CPU and one materialised
+    shard by shard from the meta device draw the same numbers. A model built for real keeps
+    its constructor's values unless the recipe defines `init_weights` explicitly.
+    """
+
+    recipe: Recipe
+    seed: int
+
+    def needed_after_build(self, model: torch.nn.Module) -> bool:
+        return self.recipe.defines_init(model)
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        seed_everything(self.seed)
+        self.recipe.init_weights(model)
 
 
 def load_recipe(source: str) -> Recipe:

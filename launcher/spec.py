@@ -88,7 +88,8 @@ class LaunchSection(Section):
     strategy: StrategyName = Field(
         "ddp",
         description="How replicas share work: `ddp` (a model replica per process, gradients "
-        "all-reduced). `fsdp`, `xla` and `xla_fsdp` are reserved names, not yet available.",
+        "all-reduced) or `fsdp` (parameters, gradients and optimizer state sharded; see "
+        "`fsdp`). `xla` and `xla_fsdp` are reserved names, not yet available.",
     )
 
 
@@ -181,6 +182,9 @@ class TrainSection(Section):
 
 
 class CheckpointSection(Section):
+    enabled: bool = Field(
+        True, description="Save checkpoints at all; `false` for throwaway runs and benchmarks."
+    )
     every_n_steps: PositiveInt | None = Field(
         None,
         description="Save every this many steps; a last checkpoint is always saved at the end.",
@@ -193,6 +197,33 @@ class CheckpointSection(Section):
         alias="async",
         description="Write checkpoints in the background: training waits only while the state "
         "is copied to memory.",
+    )
+
+
+class FSDPSection(Section):
+    wrap: list[str] | None = Field(
+        None,
+        description="Module class names that become their own shard unit, e.g. `[Block]`. "
+        "Default: the children of every `nn.ModuleList` (the repeated blocks).",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free gathered parameters after forward (ZeRO-3); `false` keeps them until "
+        "backward (ZeRO-2 style: faster, more memory).",
+    )
+    param_dtype: Literal["fp32", "bf16"] | None = Field(
+        None,
+        description="Mixed precision: dtype of gathered parameters in compute (unset: as built).",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="Mixed precision: dtype of gradient reduce-scatter (unset: as computed)."
+    )
+    cpu_offload: bool = Field(
+        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory."
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each shard unit's activations in backward instead of keeping them.",
     )
 
 
@@ -211,4 +242,7 @@ class RunSpec(Section):
     train: TrainSection = Field(..., description="How long and how to step.")
     checkpoint: CheckpointSection = Field(
         default_factory=CheckpointSection, description="When to save."
+    )
+    fsdp: FSDPSection = Field(
+        default_factory=FSDPSection, description="Options of `launch.strategy: fsdp`."
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -52,40 +53,47 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(args.run_dir / "logs" / f"rank-{rank}.log")
-
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    return record(_train)(args)
+    code = _train(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: C++ destructors of a process group whose peers are gone can
+    # abort (SIGABRT) and replace a meaningful exit code with a crash.
+    os._exit(code)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
     from launcher.errors import LauncherError
     from launcher.loop import Trainer
     from launcher.recipe import load_recipe
     from launcher.spec_loader import load_spec
     from launcher.strategies import build_strategy
 
-    spec = load_spec(args.spec)
-    strategy = build_strategy(spec.launch.strategy, args.accelerator, spec.train.precision)
+    errors = get_error_handler()
+    errors.initialize()
     try:
+        spec = load_spec(args.spec)
+        strategy = build_strategy(spec, args.accelerator)
         strategy.setup()
-        # torch.distributed prefixes tracebacks with "[rankN]:"; the display already says which
-        # rank, and a prefixed "Traceback" line would hide the block from the alert filter.
-        sys.excepthook = sys.__excepthook__
         trainer = Trainer(spec, load_recipe(spec.recipe.source), strategy, args.run_dir)
         trainer.fit(resume_from=args.resume)
+        strategy.barrier()  # nobody leaves the group while a peer still talks to it
+        strategy.teardown()
+        return 0
     except LauncherError as exc:
         print(f"error: {exc.render()}", file=sys.stderr, flush=True)
         return exc.exit_code
-    finally:
-        strategy.teardown()
-    return 0
+    except BaseException as exc:  # the user's bug, or ours: the traceback is the message
+        traceback.print_exc()
+        errors.record_exception(exc)  # the elastic agent's root-cause file, as @record writes
+        return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -79,7 +79,8 @@ def test_gpu_without_cuda_says_what_is_missing(tmp_path: Path) -> None:
         (["--resume", "nowhere"], "--resume nowhere: no such folder"),
         (["--resume", "latest"], "--resume latest: no run named 't'"),
         (["--ranks", "3-1"], "--ranks: '3-1' is not a rank range"),
-        (["--strategy", "fsdp"], "launch.strategy: 'fsdp' is not available"),
+        (["--strategy", "xla"], "launch.strategy: 'xla' is not available"),
+        (["--strategy", "fsdp", "--accelerator", "tpu"], "TPUs use xla_fsdp"),
     ],
 )
 def test_bad_flags(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -267,3 +267,36 @@ def test_corrupt_or_malicious_checkpoint_is_refused(tmp_path: Path, content: byt
     assert result.returncode == 2, result.stdout + result.stderr
     assert "corrupt or unsafe checkpoint metadata" in result.stdout
     assert not (tmp_path / "pwned").exists()
+
+
+def test_recipe_state_hook_is_checkpointed(tmp_path: Path) -> None:
+    (tmp_path / "counting.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'recipes')!r})\n"
+        "from mlp import build_dataset, build_model, loss as mse\n"
+        "calls = 0\n"
+        "def loss(model, batch):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    value, _ = mse(model, batch)\n"
+        "    return value, {'calls': float(calls)}\n"
+        "def state_dict():\n"
+        "    return {'calls': calls}\n"
+        "def load_state_dict(state):\n"
+        "    global calls\n"
+        "    calls = state['calls']\n"
+    )
+    spec = write_spec(
+        tmp_path / "run.yaml", recipe={"source": "counting.py"}, checkpoint={"every_n_steps": 2}
+    )
+    first = run_train(["--config", str(spec), "train.max_steps=4"], cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = run_train(
+        ["--config", str(spec), "--resume", "latest", "train.max_steps=6"], cwd=tmp_path
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    calls = [
+        json.loads(line)["calls"]
+        for line in (only_run_dir(tmp_path / "runs") / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert calls == [1, 2, 3, 4, 5, 6]  # the counter continued instead of restarting at 1

@@ -6,21 +6,28 @@ from __future__ import annotations
 import importlib
 
 from launcher.errors import UsageError
+from launcher.spec import RunSpec
 from launcher.strategies.base import Strategy
 
+# name -> (module, class, the spec section of its own options or None)
 _STRATEGIES = {
-    "ddp": ("launcher.strategies.ddp", "DDPStrategy"),
+    "ddp": ("launcher.strategies.ddp", "DDPStrategy", None),
+    "fsdp": ("launcher.strategies.fsdp", "FSDPStrategy", "fsdp"),
 }
 
 
-def build_strategy(name: str, accelerator: str, precision: str) -> Strategy:
+def build_strategy(spec: RunSpec, accelerator: str) -> Strategy:
+    name = spec.launch.strategy
     if name not in _STRATEGIES:
         available = ", ".join(sorted(_STRATEGIES))
         raise UsageError(
             f"launch.strategy: {name!r} is not available in this version (available: {available})"
         )
-    module, cls = _STRATEGIES[name]
-    return getattr(importlib.import_module(module), cls)(accelerator, precision)
+    module, cls, section = _STRATEGIES[name]
+    options = (getattr(spec, section),) if section else ()
+    return getattr(importlib.import_module(module), cls)(
+        accelerator, spec.train.precision, *options
+    )
 
 
 def available_strategies() -> list[str]:

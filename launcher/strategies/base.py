@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+
+from launcher.recipe import WeightInit
 
 
 class Strategy(ABC):
@@ -25,9 +27,17 @@ class Strategy(ABC):
     def setup(self) -> None:
         """Join the process group and pick this replica's device."""
 
+    def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
+        """Build the recipe's model (`factory`), initialise it (`init`), place it and make it
+        distributed."""
+        model = factory()
+        if init.needed_after_build(model):
+            init(model)
+        return self.wrap_model(model)
+
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Place the model on the device and make it distributed."""
+        """Place a built model on the device and make it distributed."""
 
     def loader(self, loader: Iterable[Any]) -> Iterable[Any]:
         """Where batches come from; a backend may prefetch onto its device."""

@@ -27,6 +27,7 @@ test: env lint
 bench: env
 	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"
 	$(VENV)/bin/python bench/checkpoint_blocking.py
+	$(VENV)/bin/python bench/fsdp_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

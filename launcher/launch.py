@@ -34,7 +34,7 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     spec_file = prepare_run_dir(plan)
     console = console or Console()
     _quiet_elastic(plan.debug)
-    os.environ["OMP_NUM_THREADS"] = str(plan.omp_threads)
+    os.environ.update(plan.worker_env())  # the elastic agent passes its environment on
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

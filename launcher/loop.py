@@ -180,7 +180,7 @@ class Trainer:
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self._say(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
-            f"{rate:,.0f} samples/s | {1000 * per_step:.1f} ms/step"
+            f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
         )
         self.window = MetricsWindow()
 

@@ -53,6 +53,11 @@ def make_plan(
     debug: bool = False,
 ) -> LaunchPlan:
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
+    if spec.launch.strategy == "fsdp" and spec.fsdp.cpu_offload and accelerator != "gpu":
+        raise UsageError(
+            "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "
+            f"--accelerator gpu (this run is on {accelerator}, where they already are)"
+        )
     nproc = resolve_devices(spec.launch.devices, accelerator)
     output_dir = Path(spec.run.output_dir)
     resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None

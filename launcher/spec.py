@@ -219,7 +219,9 @@ class FSDPSection(Section):
         None, description="Mixed precision: dtype of gradient reduce-scatter (unset: as computed)."
     )
     cpu_offload: bool = Field(
-        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory."
+        False,
+        description="Keep sharded parameters, gradients and optimizer state in CPU memory "
+        "between uses (GPU runs only).",
     )
     activation_checkpointing: bool = Field(
         False,

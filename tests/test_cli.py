@@ -81,6 +81,7 @@ def test_gpu_without_cuda_says_what_is_missing(tmp_path: Path) -> None:
         (["--ranks", "3-1"], "--ranks: '3-1' is not a rank range"),
         (["--strategy", "xla"], "launch.strategy: 'xla' is not available"),
         (["--strategy", "fsdp", "--accelerator", "tpu"], "TPUs use xla_fsdp"),
+        (["--strategy", "fsdp", "fsdp.cpu_offload=true"], "fsdp.cpu_offload: moves shards"),
     ],
 )
 def test_bad_flags(tmp_path: Path, args: list[str], expected: str) -> None:

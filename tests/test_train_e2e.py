@@ -97,3 +97,14 @@ def test_quickstart_config_is_what_make_demo_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr + result.stdout
     assert "[rank 1] replica 1/2" in result.stdout
     assert "[rank 0] replica 0/2" not in result.stdout  # hidden by --ranks 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_cpu(tmp_path: Path, precision: str) -> None:
+    spec = write_spec(tmp_path / "run.yaml", train={"precision": precision, "max_steps": 8})
+    result = run_train(["--config", str(spec), "optim.name=AdamW", "optim.lr=1e-2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr + result.stdout
+    run = only_run_dir(tmp_path / "runs")
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 8 and all(loss == loss for loss in losses)  # no NaN
+    assert losses[-1] < losses[0]

@@ -9,7 +9,21 @@ link=$1 reqs=$2
 py=${PYTHON:-python3.11}
 cache=${LAUNCHER_ENV_CACHE:-$HOME/.cache/launcher/envs}
 key=$( { "$py" -VV; cat "$reqs" "$0"; } | sha256sum | cut -c1-16)
-deps="$cache/$(basename "$link" | tr -d .)-$key"
+name=$(basename "$link" | tr -d .)
+deps="$cache/$name-$key"
+
+# pip's and setuptools' chatter only matters when something fails.
+quietly() {
+    local log
+    log=$(mktemp)
+    if ! "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        echo "mkenv: failed: $*" >&2
+        return 1
+    fi
+    rm -f "$log"
+}
 
 mkdir -p "$cache"
 exec 9>"$deps.lock"
@@ -18,9 +32,14 @@ if [ ! -f "$deps/.complete" ]; then
     echo "mkenv: building $deps from $reqs (once per change of $reqs)"
     rm -rf "$deps"
     "$py" -m venv "$deps"
-    "$deps/bin/python" -m pip install --quiet --upgrade pip
-    "$deps/bin/python" -m pip install --quiet -r "$reqs"
+    quietly "$deps/bin/python" -m pip install --upgrade pip
+    quietly "$deps/bin/python" -m pip install -r "$reqs"
     touch "$deps/.complete"
+    # Keep the two newest builds of this environment: an older clone may still link to the
+    # previous one, and each is gigabytes.
+    ls -dt "$cache/$name"-*/ 2>/dev/null | tail -n +3 | while read -r old; do
+        rm -rf "$old" "${old%/}.lock"
+    done
 fi
 
 site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -30,7 +49,7 @@ if [ ! -f "$stamp" ] || [ ! -x "$link/bin/python" ]; then
     "$py" -m venv --without-pip "$link"
     own=$("$link/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "import site; site.addsitedir('$site')" > "$own/_launcher_deps.pth"
-    "$deps/bin/python" -m pip --python "$link/bin/python" install --quiet --no-deps \
+    quietly "$deps/bin/python" -m pip --python "$link/bin/python" install --no-deps \
         --no-build-isolation -e .
     touch "$stamp"
 fi

@@ -4,14 +4,21 @@
 
 PYTHON ?= python3.11
 VENV := .venv
+# torch 2.9.0 + torch_xla 2.9.0 (7 GB, cached under ~/.cache/launcher/envs)
+VENV_XLA := .venv-xla
 export PYTHON
 
-.PHONY: demo test lint bench env clean docs
+.PHONY: demo test test-dev test-xla lint bench env env-xla clean docs
 
 env: $(VENV)/.ready
+env-xla: $(VENV_XLA)/.ready
 
 $(VENV)/.ready: requirements/dev.txt pyproject.toml tools/mkenv.sh
 	tools/mkenv.sh $(VENV) requirements/dev.txt
+	touch $@
+
+$(VENV_XLA)/.ready: requirements/xla.txt pyproject.toml tools/mkenv.sh
+	tools/mkenv.sh $(VENV_XLA) requirements/xla.txt
 	touch $@
 
 demo: env
@@ -21,8 +28,14 @@ lint: env
 	$(VENV)/bin/python -m ruff check launcher recipes tests bench
 	$(VENV)/bin/python -m ruff format --check launcher recipes tests bench
 
-test: env lint
+test: lint test-dev test-xla
+
+test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+# The same suite on torch 2.9, the version torch_xla pins: the launcher must run there too.
+test-xla: env-xla
+	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: env
 	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"
@@ -30,7 +43,7 @@ bench: env
 	$(VENV)/bin/python bench/fsdp_memory.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_XLA) build *.egg-info
 
 docs: env
 	$(VENV)/bin/python -m launcher.spec_docs --write

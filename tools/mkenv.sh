@@ -8,9 +8,9 @@ set -euo pipefail
 link=$1 reqs=$2
 py=${PYTHON:-python3.11}
 cache=${LAUNCHER_ENV_CACHE:-$HOME/.cache/launcher/envs}
-key=$( { "$py" -VV; cat "$reqs" "$0"; } | sha256sum | cut -c1-16)
+key=$( { "$py" -VV; cat "$reqs"; } | sha256sum | cut -c1-16)
 name=$(basename "$link" | tr -d .)
-deps="$cache/$name-$key"
+deps="$cache/$name--$key"  # "--": no env's name is a prefix of another's
 
 # pip's and setuptools' chatter only matters when something fails.
 quietly() {
@@ -37,7 +37,7 @@ if [ ! -f "$deps/.complete" ]; then
     touch "$deps/.complete"
     # Keep the two newest builds of this environment: an older clone may still link to the
     # previous one, and each is gigabytes.
-    ls -dt "$cache/$name"-*/ 2>/dev/null | tail -n +3 | while read -r old; do
+    ls -dt "$cache/$name"--*/ 2>/dev/null | tail -n +3 | while read -r old; do
         rm -rf "$old" "${old%/}.lock"
     done
 fi

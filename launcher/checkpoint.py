@@ -134,9 +134,12 @@ class Checkpointer:
             self._finish()
 
     def wait(self) -> None:
-        """Blocks until the pending save, if any, is written and published."""
+        """Blocks until the pending save, if any, is written and published. Collective."""
         if self._pending is not None:
             self._finish()
+        if self.use_async:
+            # Unconditional: `poll` may have finished the save on some ranks and not on others,
+            # and every rank must call the same barriers.
             self.strategy.barrier()
 
     def _finish(self) -> None:
@@ -159,6 +162,23 @@ class Checkpointer:
         if self.keep_last:
             for old in complete_checkpoints(self.run_dir)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Copies the model's non-parameter tensors (buffers) now. An async save copies the state
+    in the background while the next forward runs, and a forward may update buffers in place
+    (BatchNorm statistics, DDP's buffer broadcast); parameters only change in the optimizer
+    step, which waits for the copy."""
+    params = {_address(p) for p in model.parameters()}
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) and _address(v) not in params else v
+        for k, v in model_state.items()
+    }
+
+
+def _address(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.data_ptr()
 
 
 def load(path: Path, state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ class ResumableSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         super().set_epoch(epoch)
-        self._skip = skip
+        self._skip = min(skip, self.num_samples)
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
@@ -74,4 +74,4 @@ def start_epoch(loader: DataLoader, epoch: int, skip_samples: int, seed: int, ra
     loader.sampler.set_epoch(epoch, skip=skip_samples)  # type: ignore[attr-defined]
     # DataLoader worker seeds are drawn from this generator: make them a function of the epoch.
     assert loader.generator is not None
-    loader.generator.manual_seed((seed * 1_000_003 + epoch) * 65_537 + rank)
+    loader.generator.manual_seed(((seed * 1_000_003 + epoch) * 65_537 + rank) % 2**63)

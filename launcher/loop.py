@@ -13,7 +13,7 @@ import torch
 
 from launcher import checkpoint, memory
 from launcher.data import build_loader, start_epoch
-from launcher.errors import RunError
+from launcher.errors import UsageError
 from launcher.metrics_window import MetricsWindow
 from launcher.optim import build_optimizer, build_scheduler
 from launcher.recipe import Recipe, WeightInit
@@ -58,9 +58,10 @@ class Trainer:
         )
         self.steps_per_epoch = len(self.loader) // spec.train.grad_accum_steps
         if self.steps_per_epoch == 0:
-            raise RunError(
-                f"train.grad_accum_steps={spec.train.grad_accum_steps} needs more batches than "
-                f"one epoch has ({len(self.loader)} per replica)"
+            raise UsageError(
+                f"train.grad_accum_steps: {spec.train.grad_accum_steps} micro-batches per step, "
+                f"but an epoch has only {len(self.loader)} per replica; lower it or "
+                "data.batch_size"
             )
         self.total_steps = _total_steps(spec, self.steps_per_epoch)
         self.optimizer = build_optimizer(spec.optim, self.model.parameters())
@@ -131,8 +132,10 @@ class Trainer:
         accum = self.spec.train.grad_accum_steps
         total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
+        samples = 0
         for i in range(accum):
             batch = next(batches)
+            samples += batch_size(batch)
             with self.strategy.sync_gradients(self.model, sync=i == accum - 1):
                 with self.strategy.autocast():
                     loss, metrics = self.recipe.loss(self.model, batch)
@@ -152,9 +155,9 @@ class Trainer:
         self.scheduler.step()
         self.strategy.on_step_end()
         self.progress.step += 1
-        self.progress.samples_in_epoch += (
-            accum * self.spec.data.batch_size * self.strategy.world_size
-        )
+        # Every replica's shard has the same length (the sampler pads), so the global count is
+        # exact, also for a short last batch (data.drop_last: false).
+        self.progress.samples_in_epoch += samples * self.strategy.world_size
         assert total_loss is not None
         if accum == 1:
             return total_loss, totals
@@ -198,6 +201,8 @@ class Trainer:
             "recipe": self.recipe.state_dict(),
         }
         state = self.strategy.state_dict(self.model, self.optimizer)
+        if self.spec.checkpoint.async_:
+            state["model"] = checkpoint.snapshot_buffers(state["model"], self.model)
         self.checkpointer.save(self.progress.step, state, meta, rank_state)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
 
@@ -226,6 +231,17 @@ class Trainer:
             print(text, flush=True)
 
     _last_loss: float | None = None
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    items = batch.values() if isinstance(batch, dict) else batch
+    for item in items:
+        if isinstance(item, (torch.Tensor, dict, list, tuple)):
+            return batch_size(item)
+    raise UsageError("recipe: a batch holds no tensor; build_dataset items must contain tensors")
 
 
 def _total_steps(spec: RunSpec, steps_per_epoch: int) -> int:

@@ -61,23 +61,26 @@ def make_plan(
     nproc = resolve_devices(spec.launch.devices, accelerator)
     output_dir = Path(spec.run.output_dir)
     resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
-    if run_dir is None and resume_from is not None:
-        # A resumed run continues in its own folder, which must not hold newer checkpoints:
-        # continuing from an older one would overwrite them.
-        run_dir = resume_from.parent.parent
-        newest = checkpoint.latest_complete(run_dir)
-        if newest != resume_from:
+    explicit = run_dir is not None
+    if run_dir is None:
+        # A resumed run continues in its own folder; a new run gets a new one.
+        run_dir = (
+            resume_from.parent.parent if resume_from else _new_run_dir(output_dir, spec.run.name)
+        )
+    newest = checkpoint.latest_complete(run_dir)
+    # Writing into a folder that holds a run is safe only when this run continues exactly
+    # where that folder's newest checkpoint left off; anything else would mix two runs and
+    # overwrite or prune the other run's checkpoints.
+    if _holds_a_run(run_dir) and (resume_from is None or newest != resume_from):
+        if not explicit:
             raise UsageError(
-                f"--resume {resume_from}: its run already has a newer checkpoint ({newest}); "
-                "continuing in place would overwrite it",
+                f"--resume {resume_from}: its run already has a newer checkpoint "
+                f"({newest}); continuing in place would overwrite it",
                 hint="Branch off with --run-dir NEW_FOLDER, or resume the newest checkpoint.",
             )
-    elif run_dir is None:
-        run_dir = _new_run_dir(output_dir, spec.run.name)
-    elif resume_from is None and _holds_a_run(run_dir):
         raise UsageError(
             f"--run-dir {run_dir}: already holds a run; it is never overwritten",
-            hint=f"Continue it with --resume {run_dir}, or choose another --run-dir.",
+            hint=f"Continue it with --resume {newest or run_dir}, or choose a new --run-dir.",
         )
     try:
         show = parse_ranks(ranks) if ranks else None
@@ -140,7 +143,10 @@ def resolve_devices(devices: int | str, accelerator: str) -> int:
 
 def _omp_threads(accelerator: str, nproc: int) -> int:
     if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
+        value = os.environ["OMP_NUM_THREADS"]
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"OMP_NUM_THREADS={value!r}: expected a positive number, or unset it")
+        return int(value)
     if accelerator == "cpu":
         # Oversubscribed cores make every replica slower than fewer threads would.
         return max(1, (os.cpu_count() or 1) // nproc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -152,10 +153,14 @@ def _import(source: str) -> ModuleType:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         return module
+    # Workers run with `python -m`, which puts the working directory on sys.path; a console
+    # script does not, and `train validate` must import what the workers will.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(source)
     except ModuleNotFoundError as exc:
-        if exc.name and source.startswith(exc.name):
+        if exc.name and (source == exc.name or source.startswith(exc.name + ".")):
             raise UsageError(
                 f"recipe.source: no module named {source!r}",
                 hint="Give a path to a .py file, or a module importable from the working directory.",

@@ -165,7 +165,7 @@ def _set_dotted(raw: dict, key: str, value: Any, origin: str) -> None:
 def _describe(err: dict, where: dict[str, str]) -> str:
     path = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
     # pydantic puts union members in loc (e.g. 'int', 'literal['auto']'); keep key names only.
-    path = [p for p in path if not re.match(r"^(int|float|str|bool|literal\[|none)", p)]
+    path = [p for p in path if not re.match(r"^(int|float|str|bool|none)$|^literal\[", p)]
     key = ".".join(path) or "(top level)"
     origin = where.get(key)
     label = f"{key} ({origin})" if origin else key

@@ -58,3 +58,28 @@ def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, u
     assert names == ["step-00000002", "step-00000003"]
     assert not list((tmp_path / "checkpoints").glob(".*partial"))
     assert _load(tmp_path / "checkpoints" / "step-00000003", torch.zeros(4)).tolist() == [3.0] * 4
+
+
+def test_metadata_cannot_reach_through_an_allowed_module(tmp_path: Path) -> None:
+    """Pickle protocol 4 resolves dotted names: filesystem.os.getcwd would run os.getcwd."""
+    import pickle
+
+    from launcher.checkpoint_format import read_metadata
+    from launcher.errors import UsageError
+
+    def text(s: bytes) -> bytes:
+        return pickle.SHORT_BINUNICODE + bytes([len(s)]) + s
+
+    payload = (
+        b"\x80\x04"
+        + text(b"torch.distributed.checkpoint.filesystem")
+        + text(b"os.getcwd")
+        + pickle.STACK_GLOBAL
+        + pickle.EMPTY_TUPLE
+        + pickle.REDUCE
+        + pickle.STOP
+    )
+    assert isinstance(pickle.loads(payload), str)  # plain pickle would run it
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(UsageError, match="corrupt or unsafe checkpoint metadata"):
+        read_metadata(tmp_path)

@@ -95,3 +95,38 @@ def test_wrap_classes_that_match_nothing_list_the_real_ones(tmp_path: Path) -> N
     assert result.returncode == 2, result.stdout + result.stderr
     assert "fsdp.wrap: Blok matches no module of the model" in result.stdout
     assert "Module classes in this model: Block, CausalSelfAttention," in result.stdout
+
+
+def test_parameters_the_init_leaves_unset_are_an_error_not_garbage(tmp_path: Path) -> None:
+    """nn.MultiheadAttention initialises in a private _reset_parameters, and a bare
+    nn.Parameter in __init__ is lost on the meta device: fsdp must say so."""
+    (tmp_path / "mha.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import TensorDataset\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.pos = nn.Parameter(torch.randn(4, 8))\n"
+        "        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)\n"
+        "    def forward(self, x):\n"
+        "        h = x.view(-1, 4, 8) + self.pos\n"
+        "        return self.attn(h, h, h)[0].mean((1, 2))\n"
+        "def build_model():\n"
+        "    return M()\n"
+        "def build_dataset(split):\n"
+        "    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))\n"
+        "    return TensorDataset(x, x.sum(1))\n"
+        "def loss(model, batch):\n"
+        "    return nn.functional.mse_loss(model(batch[0]), batch[1])\n"
+    )
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        launch={"strategy": "fsdp"},
+        recipe={"source": "mha.py", "dataset": {}},
+        data={"batch_size": 4},
+    )
+    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "left pos, attn.in_proj_weight, attn.in_proj_bias unset" in result.stdout
+    assert "init_weights" in result.stdout

@@ -65,6 +65,13 @@ def test_resume_continues_in_the_checkpoints_run_but_never_over_newer_ones(tmp_p
         make_plan(_spec(tmp_path), resume=str(first))
     branch = make_plan(_spec(tmp_path), resume=str(first), run_dir=tmp_path / "branch")
     assert branch.run_dir == tmp_path / "branch" and branch.resume_from == first
+    # Branching again into a branch that has moved on would overwrite its checkpoints.
+    _checkpoint(tmp_path / "branch", 30)
+    with pytest.raises(UsageError, match="already holds a run; it is never overwritten"):
+        make_plan(_spec(tmp_path), resume=str(first), run_dir=tmp_path / "branch")
+    # ... but continuing that branch from its own newest checkpoint is fine.
+    again = make_plan(_spec(tmp_path), resume=str(tmp_path / "branch"), run_dir=tmp_path / "branch")
+    assert again.resume_from == tmp_path / "branch" / "checkpoints" / "step-00000030"
 
 
 def test_new_runs_get_new_folders_and_cpu_threads_are_shared(tmp_path: Path, monkeypatch) -> None:

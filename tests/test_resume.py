@@ -250,8 +250,8 @@ def test_checkpoint_of_another_model_lists_the_mismatched_keys(tmp_path: Path) -
         cwd=tmp_path,
     )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "this checkpoint does not fit the model" in result.stdout
-    assert "shape of model.0.weight: checkpoint [64, 16], model [32, 16]" in result.stdout
+    assert "this checkpoint does not fit the model and optimizer" in result.stdout
+    assert "shape of model.0.weight: checkpoint [64, 16], run [32, 16]" in result.stdout
     assert "missing from the checkpoint: model.6.weight" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
 

@@ -30,12 +30,14 @@ class FSDPStrategy(TorchDistributedStrategy):
     def __init__(self, accelerator: str, precision: str, options: FSDPSection) -> None:
         super().__init__(accelerator, precision)
         self.options = options
+        self.cpu_collectives = options.cpu_offload
 
     def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
         with torch.device("meta"):
             model = factory()
         self.wrap_model(model)
-        model.to_empty(device=self.device)
+        # Offloaded shards live in CPU memory; FSDP moves them to the GPU when it needs them.
+        model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
         initialize(model, init)
         return model
 

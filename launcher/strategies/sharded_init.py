@@ -17,6 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from launcher.errors import UsageError
+
 # Functions that fill a whole tensor at once: random fills, and torch.nn.init's initialisers
 # (some of which, like orthogonal_ and eye_, are not element-wise either).
 _WHOLE_TENSOR_FILLS = {
@@ -36,15 +38,28 @@ _WHOLE_TENSOR_FILLS = {
 
 
 class ShardedInit(TorchFunctionMode):
+    """Also records every tensor written in place, so that what the init missed is known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
     # Inside __torch_function__ the mode is off, so nn.init.normal_'s own call of
     # Tensor.normal_ is not seen again: each initialiser is handled once, whole.
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = dict(kwargs or {})
-        if func in _WHOLE_TENSOR_FILLS:
-            target = args[0] if args else kwargs.get("tensor")
-            if isinstance(target, DTensor):
-                return _fill_shard(func, target, args, kwargs)
+        target = args[0] if args else kwargs.get("tensor")
+        name = getattr(func, "__name__", "")
+        if isinstance(target, torch.Tensor) and (name.endswith("_") or name == "__setitem__"):
+            self.written.add(storage_of(target))
+        if func in _WHOLE_TENSOR_FILLS and isinstance(target, DTensor):
+            return _fill_shard(func, target, args, kwargs)
         return func(*args, **kwargs)
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.data_ptr()
 
 
 def _fill_shard(func: Any, target: DTensor, args: tuple, kwargs: dict) -> DTensor:
@@ -66,6 +81,18 @@ def _fill_shard(func: Any, target: DTensor, args: tuple, kwargs: dict) -> DTenso
 
 
 def initialize(model: torch.nn.Module, init: Any) -> None:
-    """Runs `init(model)` with sharded random fills made exact."""
-    with torch.no_grad(), ShardedInit():
+    """Runs `init(model)` with sharded random fills made exact. Memory from `to_empty` holds
+    garbage, so a parameter or buffer that `init` never wrote is an error, not a silent NaN."""
+    mode = ShardedInit()
+    with torch.no_grad(), mode:
         init(model)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    missed = [name for name, t in tensors if t.numel() and storage_of(t) not in mode.written]
+    if missed:
+        shown = ", ".join(missed[:8]) + (f" and {len(missed) - 8} more" if len(missed) > 8 else "")
+        raise UsageError(
+            f"fsdp: the model is built on the meta device, and its initialisation left {shown} "
+            "unset",
+            hint="Give the recipe an init_weights(model) (or the model an init_weights()) that "
+            "fills every parameter and buffer; reset_parameters() of each module is the default.",
+        )

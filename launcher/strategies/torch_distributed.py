@@ -16,6 +16,9 @@ from launcher.strategies.base import Strategy
 
 
 class TorchDistributedStrategy(Strategy):
+    # Set where GPU runs also need collectives on CPU tensors (e.g. offloaded shards).
+    cpu_collectives = False
+
     def __init__(self, accelerator: str, precision: str) -> None:
         self.accelerator = accelerator
         self.precision_name = precision
@@ -28,14 +31,14 @@ class TorchDistributedStrategy(Strategy):
         if self.accelerator == "gpu":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-            backend = "nccl"
+            backend = "cpu:gloo,cuda:nccl" if self.cpu_collectives else "nccl"
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
         if not dist.is_initialized():
             dist.init_process_group(
                 backend,
-                device_id=self.device if backend == "nccl" else None,
+                device_id=self.device if self.device.type == "cuda" else None,
                 timeout=timedelta(minutes=10),
             )
         self.precision = MixedPrecision(self.precision_name, self.device.type)

@@ -161,7 +161,11 @@ class Checkpointer:
         _fsync_dir(final.parent)
         if self.keep_last:
             for old in complete_checkpoints(self.run_dir)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                # Unpublish first (atomic), so a crash mid-delete leaves no half checkpoint
+                # that still looks complete.
+                doomed = old.with_name(f".{old.name}.deleting")
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:

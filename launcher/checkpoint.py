@@ -73,9 +73,15 @@ class Checkpointer:
     """
 
     def __init__(
-        self, strategy: Strategy, run_dir: Path, keep_last: int | None, use_async: bool
+        self,
+        strategy: Strategy,
+        run_dir: Path,
+        keep_last: int | None,
+        use_async: bool,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.strategy = strategy
+        self.model = model  # async saves copy its buffers at once (see snapshot_buffers)
         self.run_dir = run_dir
         self.keep_last = keep_last
         self.use_async = use_async
@@ -99,6 +105,7 @@ class Checkpointer:
         _save_synced(rank_state, staging / f"rank-{self.strategy.rank}.pt")
         meta = {**meta, "step": step, "time": time.time()}
         if self.use_async:
+            state = {**state, "model": snapshot_buffers(state.get("model", {}), self.model)}
             response = dcp.async_save(
                 state,
                 checkpoint_id=staging,
@@ -168,12 +175,12 @@ class Checkpointer:
                 shutil.rmtree(doomed, ignore_errors=True)
 
 
-def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:
     """Copies the model's non-parameter tensors (buffers) now. An async save copies the state
     in the background while the next forward runs, and a forward may update buffers in place
     (BatchNorm statistics, DDP's buffer broadcast); parameters only change in the optimizer
     step, which waits for the copy."""
-    params = {_address(p) for p in model.parameters()}
+    params = {_address(p) for p in model.parameters()} if model is not None else set()
     return {
         k: v.clone() if isinstance(v, torch.Tensor) and _address(v) not in params else v
         for k, v in model_state.items()

@@ -72,7 +72,7 @@ class Trainer:
             self._restore(resume_from)
         self.telemetry = Telemetry(self.run_dir, strategy.rank, strategy.is_main)
         self.checkpointer = checkpoint.Checkpointer(
-            strategy, self.run_dir, spec.checkpoint.keep_last, spec.checkpoint.async_
+            strategy, self.run_dir, spec.checkpoint.keep_last, spec.checkpoint.async_, self.model
         )
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         self._say(
@@ -201,8 +201,6 @@ class Trainer:
             "recipe": self.recipe.state_dict(),
         }
         state = self.strategy.state_dict(self.model, self.optimizer)
-        if self.spec.checkpoint.async_:
-            state["model"] = checkpoint.snapshot_buffers(state["model"], self.model)
         self.checkpointer.save(self.progress.step, state, meta, rank_state)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
 

@@ -16,7 +16,7 @@ from launcher import checkpoint
 from launcher.errors import UsageError
 from launcher.ranks import parse_ranks
 from launcher.spec import RunSpec
-from launcher.strategies import available_strategies
+from launcher.strategies import available_strategies, worker_env
 
 XLA_STRATEGIES = ("xla", "xla_fsdp")
 
@@ -34,13 +34,10 @@ class LaunchPlan:
 
     def worker_env(self) -> dict[str, str]:
         """Environment the workers start with, on top of the launcher's own."""
-        env = {"OMP_NUM_THREADS": str(self.omp_threads)}
-        if self.accelerator == "cpu" and self.spec.launch.strategy == "fsdp":
-            # FSDP gathers and frees every block's parameters each step. glibc then raises its
-            # mmap threshold and keeps those buffers on the heap: measured on the 100M GPT,
-            # peak RSS fell from 2265 to 1285 MB per rank with a fixed threshold, at the same
-            # speed (BENCHMARKS.md).
-            env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+        env = {
+            "OMP_NUM_THREADS": str(self.omp_threads),
+            **worker_env(self.spec.launch.strategy, self.accelerator),
+        }
         return {k: os.environ.get(k, v) for k, v in env.items()}
 
 

@@ -37,7 +37,9 @@ def _load(path: Path, like: torch.Tensor) -> torch.Tensor:
 @pytest.mark.timeout(120)
 def test_background_save_holds_the_state_as_it_was(tmp_path: Path, strategy) -> None:
     weights = torch.zeros(64 * 1024 * 1024 // 4)  # 64 MB: copying it takes a while
-    saver = checkpoint.Checkpointer(strategy, tmp_path, keep_last=None, use_async=True)
+    model = torch.nn.Module()  # weights are a parameter: the save must not copy them up front
+    model.w = torch.nn.Parameter(weights, requires_grad=False)
+    saver = checkpoint.Checkpointer(strategy, tmp_path, keep_last=None, use_async=True, model=model)
     saver.save(1, {"model": {"w": weights}}, {"world_size": 1}, {})
     saver.before_update()  # what the loop does before the optimizer changes the weights
     weights.add_(1.0)

@@ -33,9 +33,10 @@ test: lint test-dev test-xla
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
-# The same suite on torch 2.9, the version torch_xla pins: the launcher must run there too.
+# The same suite on torch 2.9, the version torch_xla pins: the launcher must run there too,
+# and the XLA tests (tests/test_xla.py) run for real on XLA's CPU devices.
 test-xla: env-xla
-	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider tests
+	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: env
 	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"

@@ -11,18 +11,21 @@ folder that looks complete. Old checkpoints are pruned only after a new one is p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from launcher.checkpoint_format import check_matches, weights_only_planner
+from launcher.checkpoint_format import check_matches
 from launcher.errors import RunError, UsageError
 from launcher.strategies.base import Strategy
 
@@ -116,7 +119,8 @@ class Checkpointer:
             self._staging = getattr(response, "staging_completion", None)
             self._pending = _Pending(step, staging, meta, future)
         else:
-            dcp.save(state, checkpoint_id=staging)
+            with _quiet_dcp():
+                dcp.save(state, checkpoint_id=staging, planner=self.strategy.save_planner())
             self._publish(staging, final, meta)
             self.strategy.barrier()
 
@@ -192,7 +196,7 @@ def _address(tensor: torch.Tensor) -> int:
     return local.data_ptr()
 
 
-def load(path: Path, state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any] | None:
     """Collective: fills `state` in place, never unpickling arbitrary code.
 
     Returns this rank's own saved state (RNG, loop), or None when the checkpoint was saved
@@ -201,10 +205,19 @@ def load(path: Path, state: dict[str, Any], rank: int, world_size: int) -> dict[
     import torch.distributed.checkpoint as dcp
 
     check_matches(path, state)
-    dcp.load(state, checkpoint_id=path, planner=weights_only_planner())
-    if read_meta(path).get("world_size") != world_size:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._traverse import set_element
+
+    # Loaded as `{"model.a.weight": ..., "optim.param_groups.0.lr": ...}`, the keys DCP's
+    # default planner writes, so that planners that flatten less (XLA's SPMD ones) find them.
+    flat, mapping = flatten_state_dict(state)
+    with _quiet_dcp():
+        dcp.load(flat, checkpoint_id=path, planner=strategy.load_planner())
+    for key, value in flat.items():  # tensors were filled in place; plain values replaced
+        set_element(state, mapping[key], value)
+    if read_meta(path).get("world_size") != strategy.world_size:
         return None
-    return torch.load(path / f"rank-{rank}.pt", weights_only=True)
+    return torch.load(path / f"rank-{strategy.rank}.pt", weights_only=True)
 
 
 def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
@@ -235,6 +248,18 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
             hint="A checkpoint folder holds a COMPLETE file; a run folder holds checkpoints/.",
         )
     return latest
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # Warnings DCP gives on every save of a single process (XLA SPMD, one XLA device) and on
+    # torch 2.9, which say nothing the user can act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        # torch_xla 2.9's SPMD planners, on their own deprecated calls:
+        warnings.filterwarnings("ignore", message="Using a non-tuple sequence")
+        yield
 
 
 def _background_stager() -> Any:

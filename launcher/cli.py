@@ -90,6 +90,14 @@ def run_command(
             "of every rank are always shown."
         ),
     ] = None,
+    strict_compile: Annotated[
+        bool,
+        typer.Option(
+            "--strict-compile",
+            help="XLA: stop the run when a new graph is compiled after warm-up "
+            "(sets xla.strict_compile).",
+        ),
+    ] = False,
     debug: Annotated[
         bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")
     ] = False,
@@ -100,7 +108,14 @@ def run_command(
         from launcher.launch import execute
         from launcher.plan import make_plan
 
-        spec = _load(config, overrides, accelerator=accelerator, devices=devices, strategy=strategy)
+        spec = _load(
+            config,
+            overrides,
+            strict_compile=strict_compile,
+            accelerator=accelerator,
+            devices=devices,
+            strategy=strategy,
+        )
         plan = make_plan(spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug)
         return execute(plan)
 
@@ -126,14 +141,18 @@ def validate_command(
     raise typer.Exit(_guarded(go, debug))
 
 
-def _load(config: Path, overrides: list[str] | None, **flags: str | None):  # type: ignore[no-untyped-def]
+def _load(  # type: ignore[no-untyped-def]
+    config: Path, overrides: list[str] | None, strict_compile: bool = False, **flags: str | None
+):
     from launcher.spec_loader import load_spec, parse_yaml_value
 
-    given = {
+    given: dict[str, tuple[str, object]] = {
         f"launch.{key}": (f"--{key}", parse_yaml_value(value) if key == "devices" else value)
         for key, value in flags.items()
         if value is not None
     }
+    if strict_compile:
+        given["xla.strict_compile"] = ("--strict-compile", True)
     return load_spec(config, overrides or [], flags=given)
 
 

@@ -32,8 +32,15 @@ class ResumableSampler(DistributedSampler):
 
 
 def build_loader(
-    dataset: Dataset, data: DataSection, rank: int, world_size: int, seed: int, pin_memory: bool
+    dataset: Dataset,
+    data: DataSection,
+    rank: int,
+    world_size: int,
+    seed: int,
+    pin_memory: bool,
+    devices_per_process: int = 1,
 ) -> DataLoader:
+    """This process's loader: `data.batch_size` samples for each device it drives."""
     try:
         size = len(dataset)  # type: ignore[arg-type]
     except TypeError:
@@ -41,11 +48,12 @@ def build_loader(
             "recipe: build_dataset() must return a map-style Dataset with __len__ "
             "(iterable datasets cannot be sharded by a sampler)"
         ) from None
-    per_step = data.batch_size * world_size
-    if size < per_step and data.drop_last:
+    batch_size = data.batch_size * devices_per_process
+    if size < batch_size * world_size and data.drop_last:
         raise UsageError(
             f"data.batch_size: {size} samples cannot fill one batch of {data.batch_size} "
-            f"on each of {world_size} replicas; lower data.batch_size or set data.drop_last=false"
+            f"on each of {world_size * devices_per_process} replicas; lower data.batch_size "
+            "or set data.drop_last=false"
         )
     sampler = ResumableSampler(
         dataset,
@@ -57,7 +65,7 @@ def build_loader(
     )
     return DataLoader(
         dataset,
-        batch_size=data.batch_size,
+        batch_size=batch_size,
         sampler=sampler,
         num_workers=data.num_workers,
         drop_last=data.drop_last,

@@ -25,6 +25,7 @@ from launcher.errors import RunError, UsageError
 from launcher.plan import LaunchPlan
 from launcher.ranks import format_ranks
 from launcher.spec_loader import spec_to_yaml
+from launcher.strategies import strategy_info
 
 SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
 
@@ -62,16 +63,20 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     ]
     if plan.resume_from is not None:
         args += ["--resume", str(plan.resume_from)]
+    if strategy_info(plan.spec.launch.strategy).processes == "xla_spawn":
+        args += ["--xla-spawn", "all" if plan.devices.spawn_all else "1"]
     verb = "resuming" if plan.resume_from else "starting"
+    for note in plan.notes:
+        console.print(Text("warning: ", style="bold yellow") + Text(note), soft_wrap=True)
     console.print(
-        f"{verb} {plan.spec.run.name}: {plan.nproc} x {plan.accelerator}, "
+        f"{verb} {plan.spec.run.name}: {plan.devices.count} x {plan.accelerator}, "
         f"strategy {plan.spec.launch.strategy}, run dir {plan.run_dir}",
         highlight=False,
         soft_wrap=True,
     )
     display = RunDisplay(
         plan.run_dir,
-        ranks=range(plan.nproc),
+        ranks=range(plan.devices.replica_logs),
         show=plan.show_ranks,
         console=console,
         title=plan.spec.run.name,

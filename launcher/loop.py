@@ -17,7 +17,6 @@ from launcher.errors import UsageError
 from launcher.metrics_window import MetricsWindow
 from launcher.optim import build_optimizer, build_scheduler
 from launcher.recipe import Recipe, WeightInit
-from launcher.rng import rng_state, seed_everything, set_rng_state
 from launcher.spec import RunSpec
 from launcher.strategies import Strategy
 from launcher.telemetry import Telemetry
@@ -39,7 +38,7 @@ class Trainer:
 
     def fit(self, resume_from: Path | None = None) -> None:
         spec, strategy = self.spec, self.strategy
-        seed_everything(spec.run.seed)
+        strategy.seed(spec.run.seed)
         rss_before_build = memory.rss_bytes()
         self.model = strategy.build_model(
             lambda: self.recipe.build_model(**spec.recipe.model),
@@ -55,6 +54,7 @@ class Trainer:
             strategy.world_size,
             spec.run.seed,
             pin_memory=strategy.device.type == "cuda",
+            devices_per_process=strategy.devices_per_process,
         )
         self.steps_per_epoch = len(self.loader) // spec.train.grad_accum_steps
         if self.steps_per_epoch == 0:
@@ -76,14 +76,16 @@ class Trainer:
         )
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         self._say(
-            f"{n_params:,} parameters | {strategy.name} on {strategy.world_size} x "
+            f"{n_params:,} parameters | {strategy.name} on {strategy.replicas} x "
             f"{strategy.device.type} | {self.total_steps} steps, {self.steps_per_epoch} per epoch"
             + (f" | resumed at step {self.progress.step}" if resume_from else ""),
             every_rank=True,
         )
+        devices = strategy.devices_per_process
         self._say(
-            f"replica {strategy.rank}/{strategy.world_size}: pid {os.getpid()}, "
-            f"{strategy.device}, {len(self.loader.sampler):,} samples per epoch",  # type: ignore[arg-type]
+            f"process {strategy.rank}/{strategy.world_size}: pid {os.getpid()}, "
+            f"{strategy.device}{f' and {devices - 1} more devices' if devices > 1 else ''}, "
+            f"{len(self.loader.sampler):,} samples per epoch",  # type: ignore[arg-type]
             every_rank=True,
         )
         try:
@@ -117,16 +119,26 @@ class Trainer:
         if saved_at != progress.step and spec.checkpoint.enabled:
             self._save()
         self.checkpointer.close()
+        self.strategy.drain()
         self.memory.update(
             params=memory.local_bytes(self.model.parameters()),
             optimizer=memory.optimizer_bytes(self.optimizer),
             peak_rss=memory.peak_rss_bytes(),
         )
+        backend = self.strategy.summary()
         self.telemetry.write_summary(
-            final_loss=self._last_loss, world_size=self.strategy.world_size, memory=self.memory
+            final_loss=self._last_loss,
+            world_size=self.strategy.world_size,
+            replicas=self.strategy.replicas,
+            memory=self.memory,
+            **backend,
         )
         last = checkpoint.latest_complete(self.run_dir)
-        self._say(f"done: {progress.step} steps" + (f"; last checkpoint {last}" if last else ""))
+        self._say(
+            f"done: {progress.step} steps"
+            + "".join(f" | {k} {v}" for k, v in backend.items())
+            + (f"; last checkpoint {last}" if last else "")
+        )
 
     def _step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         accum = self.spec.train.grad_accum_steps
@@ -153,7 +165,7 @@ class Trainer:
             self.telemetry.checkpoint_blocked(waited, same_save=True)
         self.strategy.optimizer_step(self.model, self.optimizer, self.spec.train.grad_clip_norm)
         self.scheduler.step()
-        self.strategy.on_step_end()
+        self.strategy.on_step_end(self.progress.step + 1)
         self.progress.step += 1
         # Every replica's shard has the same length (the sampler pads), so the global count is
         # exact, also for a short last batch (data.drop_last: false).
@@ -166,26 +178,38 @@ class Trainer:
     def _log(self) -> None:
         local = self.window.mean()
         names = list(local)
-        reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names])).tolist()
-        mean = dict(zip(names, reduced, strict=True))
-        per_step = self.window.seconds_per_step()
-        rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
+        reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names]))
+        # This rank's own loss rides along, for its heartbeat.
+        values = torch.cat([reduced, local["loss"].reshape(1).to(reduced.dtype)])
+        step, epoch = self.progress.step, self.progress.epoch
         lr = self.scheduler.get_last_lr()[0]
-        step, total = self.progress.step, self.total_steps
+        per_step = self.window.seconds_per_step()
+        self.window = MetricsWindow()
+        self.strategy.read(
+            values, lambda host: self._report(names, host, step, epoch, lr, per_step)
+        )
+
+    def _report(
+        self,
+        names: list[str],
+        values: list[float],
+        step: int,
+        epoch: int,
+        lr: float,
+        per_step: float,
+    ) -> None:
+        mean = dict(zip(names, values[:-1], strict=True))
+        rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
+        total = self.total_steps
         self._last_loss = mean["loss"]
-        self.telemetry.heartbeat(
-            step=step, max_steps=total, loss=float(local["loss"]), samples_per_s=rate
-        )
-        rate *= self.strategy.world_size
-        self.telemetry.metrics(
-            step=step, epoch=self.progress.epoch, lr=lr, samples_per_s=rate, **mean
-        )
+        self.telemetry.heartbeat(step=step, max_steps=total, loss=values[-1], samples_per_s=rate)
+        rate *= self.strategy.replicas
+        self.telemetry.metrics(step=step, epoch=epoch, lr=lr, samples_per_s=rate, **mean)
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self._say(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
             f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
         )
-        self.window = MetricsWindow()
 
     def _save(self) -> None:
         started = time.perf_counter()
@@ -195,32 +219,36 @@ class Trainer:
             "world_size": self.strategy.world_size,
             "spec": self.spec.model_dump(mode="json", by_alias=True),
         }
+        rng = self.strategy.rng_state()
         rank_state = {
-            "rng": rng_state(),
+            "rng": rng,
             "window": self.window.state_dict(),
             "recipe": self.recipe.state_dict(),
         }
         state = self.strategy.state_dict(self.model, self.optimizer)
         self.checkpointer.save(self.progress.step, state, meta, rank_state)
+        # Saving must not move the random streams (XLA advances its seed at every graph cut),
+        # or the run would go on drawing other numbers than a run resumed from this save.
+        self.strategy.set_rng_state(rng)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
 
     def _restore(self, path: Path) -> None:
         state = self.strategy.state_dict(self.model, self.optimizer)
-        own = checkpoint.load(path, state, self.strategy.rank, self.strategy.world_size)
+        own = checkpoint.load(path, state, self.strategy)
         self.strategy.load_state_dict(self.model, self.optimizer, state)
         meta = checkpoint.read_meta(path)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.progress = Progress(**meta["progress"])
         if own is None:
             # Saved with another world size: per-rank streams cannot continue; reseed them.
-            seed_everything(self.spec.run.seed + self.progress.step + self.strategy.rank)
+            self.strategy.seed(self.spec.run.seed + self.progress.step + self.strategy.rank)
             self._say(
                 f"resuming with {self.strategy.world_size} replicas instead of "
                 f"{meta['world_size']}: model, optimizer and data position continue; "
                 "random streams are reseeded"
             )
             return
-        set_rng_state(own["rng"])
+        self.strategy.set_rng_state(own["rng"])
         self.window.load_state_dict(own["window"], self.strategy.device)
         self.recipe.load_state_dict(own["recipe"])
 

@@ -10,15 +10,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from launcher import checkpoint
+from launcher.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.errors import UsageError
 from launcher.ranks import parse_ranks
 from launcher.spec import RunSpec
-from launcher.strategies import available_strategies, worker_env
-
-XLA_STRATEGIES = ("xla", "xla_fsdp")
+from launcher.strategies import strategy_info, worker_env
 
 
 @dataclass(frozen=True)
@@ -26,19 +23,30 @@ class LaunchPlan:
     spec: RunSpec
     run_dir: Path
     accelerator: str  # "cpu", "gpu" or "tpu": never "auto"
-    nproc: int  # processes on this node
+    devices: Devices  # this node's devices, processes and replicas
     resume_from: Path | None  # a complete checkpoint folder
     show_ranks: frozenset[int] | None  # --ranks display filter; None shows every rank
     omp_threads: int
     debug: bool = False
+    notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
+
+    @property
+    def nproc(self) -> int:
+        """Worker processes the elastic agent starts on this node."""
+        return self.devices.processes
 
     def worker_env(self) -> dict[str, str]:
-        """Environment the workers start with, on top of the launcher's own."""
+        """Environment the workers start with, on top of the launcher's own (which wins for
+        the defaults below, so a user's setting is kept)."""
         env = {
             "OMP_NUM_THREADS": str(self.omp_threads),
             **worker_env(self.spec.launch.strategy, self.accelerator),
         }
-        return {k: os.environ.get(k, v) for k, v in env.items()}
+        # XLA's CPU client cannot load the executables it serialises: TPUs only.
+        if self.accelerator == "tpu" and self.spec.xla.compile_cache and xla_device_type() == "TPU":
+            env["XLA_PERSISTENT_CACHE_PATH"] = str(self.run_dir / "xla_cache")
+        env = {k: os.environ.get(k, v) for k, v in env.items()}
+        return env | self.devices.env  # the device count is the plan's, not a leftover's
 
 
 def make_plan(
@@ -55,7 +63,27 @@ def make_plan(
             "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "
             f"--accelerator gpu (this run is on {accelerator}, where they already are)"
         )
-    nproc = resolve_devices(spec.launch.devices, accelerator)
+    info = strategy_info(spec.launch.strategy)
+    if spec.checkpoint.async_ and not info.async_checkpoints:
+        raise UsageError(
+            f"checkpoint.async: not available with strategy {spec.launch.strategy}; its "
+            "checkpoints are written synchronously",
+            hint="Set checkpoint.async=false.",
+        )
+    if accelerator == "tpu" and spec.train.precision == "fp16":
+        raise UsageError(
+            "train.precision: fp16 is not supported on TPU",
+            hint="Use bf16: TPUs compute in it natively, and it needs no loss scaling.",
+        )
+    devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
+    notes: list[str] = []
+    if accelerator == "tpu" and not spec.data.drop_last:
+        # A short last batch is a new input shape, and every new shape is a new XLA compile.
+        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"drop_last": True})})
+        notes.append(
+            "data.drop_last=false is ignored on TPU: a short last batch would be a new shape, "
+            "and XLA would compile the whole step again for it"
+        )
     output_dir = Path(spec.run.output_dir)
     resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
     explicit = run_dir is not None
@@ -87,55 +115,13 @@ def make_plan(
         spec=spec,
         run_dir=run_dir,
         accelerator=accelerator,
-        nproc=nproc,
+        devices=devices,
         resume_from=resume_from,
         show_ranks=show,
-        omp_threads=_omp_threads(accelerator, nproc),
+        omp_threads=_omp_threads(accelerator, devices.processes),
         debug=debug,
+        notes=tuple(notes),
     )
-
-
-def resolve_accelerator(requested: str, strategy: str) -> str:
-    if requested != "tpu" and strategy not in available_strategies():
-        raise UsageError(
-            f"launch.strategy: {strategy!r} is not available in this version "
-            f"(available: {', '.join(available_strategies())})"
-        )
-    if requested == "auto":
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    if requested == "gpu" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise UsageError(
-            f"--accelerator gpu: no CUDA GPU is visible (torch {torch.__version__}, {build})",
-            hint="Use --accelerator cpu, or install a CUDA build of torch on a machine with a GPU.",
-        )
-    if requested == "tpu" and strategy in ("ddp", "fsdp"):
-        raise UsageError(
-            f"--accelerator tpu: strategy {strategy!r} is for CPUs and GPUs; TPUs use "
-            f"{'xla_fsdp' if strategy == 'fsdp' else 'xla'} (torch_xla), which this version "
-            "does not support yet"
-        )
-    if requested == "tpu":
-        raise UsageError(
-            "--accelerator tpu: needs strategy xla or xla_fsdp and torch_xla, which this "
-            "version does not support yet",
-        )
-    return requested
-
-
-def resolve_devices(devices: int | str, accelerator: str) -> int:
-    if accelerator == "gpu":
-        visible = torch.cuda.device_count()
-        if devices == "auto":
-            return visible
-        if int(devices) > visible:
-            raise UsageError(
-                f"--devices {devices}: only {visible} GPU(s) visible on this machine",
-                hint="Lower --devices, or check CUDA_VISIBLE_DEVICES.",
-            )
-        return int(devices)
-    # On CPU every process is a replica sharing the cores; `auto` keeps to one.
-    return 1 if devices == "auto" else int(devices)
 
 
 def _omp_threads(accelerator: str, nproc: int) -> int:

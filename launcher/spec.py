@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
-StrategyName = Literal["ddp", "fsdp", "xla", "xla_fsdp"]
+StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["constant", "cosine"]
 
@@ -78,18 +78,23 @@ def _devices(value: Any) -> int | str:
 
 class LaunchSection(Section):
     accelerator: Accelerator = Field(
-        "auto", description="`cpu`, `gpu`, `tpu`, or `auto` (a GPU if CUDA sees one, else the CPU)."
+        "auto",
+        description="`cpu`, `gpu`, `tpu`, or `auto`: a TPU for the `xla*` strategies, else a GPU "
+        "if CUDA sees one, else the CPU.",
     )
     devices: Annotated[int | str, BeforeValidator(_devices)] = Field(
         "auto",
-        description="Processes on this machine, one per device: a number, or `auto` "
-        "(every GPU; 1 process on CPU).",
+        description="Devices to use on this machine: a number, or `auto` (every GPU or TPU "
+        "device; 1 process on CPU). `ddp`/`fsdp` start a process per device, `xla` a replica "
+        "per device (1 or all), `xla_spmd`/`xla_fsdp` one process driving all of them.",
     )
     strategy: StrategyName = Field(
         "ddp",
-        description="How replicas share work: `ddp` (a model replica per process, gradients "
-        "all-reduced) or `fsdp` (parameters, gradients and optimizer state sharded; see "
-        "`fsdp`). `xla` and `xla_fsdp` are reserved names, not yet available.",
+        description="How replicas share work. CPU/GPU: `ddp` (a model replica per process, "
+        "gradients all-reduced) or `fsdp` (parameters, gradients and optimizer state sharded; "
+        "see `fsdp`). TPU (torch_xla): `xla` (a process per device, gradients all-reduced), "
+        "`xla_spmd` (SPMD data parallel: one process per host, the batch sharded over every "
+        "device) or `xla_fsdp` (SPMD with parameters sharded too, FSDPv2); see `xla`.",
     )
 
 
@@ -229,6 +234,25 @@ class FSDPSection(Section):
     )
 
 
+class XLASection(Section):
+    strict_compile: bool = Field(
+        False,
+        description="Stop the run when XLA compiles a new graph after warm-up (also "
+        "`--strict-compile`); by default it is a warning that names the step.",
+    )
+    warmup_steps: PositiveInt | None = Field(
+        None,
+        description="Steps in which new XLA graphs are expected. Default: through the step "
+        "after the second log line, since the first steps, the first logged metrics, the step "
+        "after them and a resumed run's restored state each trace graphs of their own.",
+    )
+    compile_cache: bool = Field(
+        True,
+        description="Keep compiled graphs in `<run dir>/xla_cache`, so a resumed run does "
+        "not compile them again.",
+    )
+
+
 class RunSpec(Section):
     run: RunSection = Field(
         default_factory=RunSection, description="What the run is called and where it goes."
@@ -247,4 +271,8 @@ class RunSpec(Section):
     )
     fsdp: FSDPSection = Field(
         default_factory=FSDPSection, description="Options of `launch.strategy: fsdp`."
+    )
+    xla: XLASection = Field(
+        default_factory=XLASection,
+        description="Options of the torch_xla strategies `xla`, `xla_spmd` and `xla_fsdp`.",
     )

@@ -3,6 +3,9 @@
 Started by torch.distributed's elastic agent, which sets RANK, WORLD_SIZE and friends. The first
 thing it does is point its own stdout and stderr, at the file-descriptor level, into its log
 file, so that output from C/C++ code lands there too and the launcher can follow every rank.
+
+With `--xla-spawn`, the worker instead starts the replicas itself through torch_xla's spawn
+(one per TPU device, or just one), and each replica redirects its own output the same way.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spec", type=Path, required=True)
     parser.add_argument("--accelerator", required=True)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--xla-spawn", choices=("1", "all"), default=None)
     return parser.parse_args(argv)
 
 
@@ -58,12 +62,37 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(args.run_dir / "logs" / f"rank-{rank}.log")
-    code = _train(args)
+    code = _xla_spawn(args) if args.xla_spawn else _train(args)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: C++ destructors of a process group whose peers are gone can
     # abort (SIGABRT) and replace a meaningful exit code with a crash.
     os._exit(code)
+
+
+def _xla_spawn(args: argparse.Namespace) -> int:
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    try:
+        # Replicas that fail end their own process with their exit code (see _spawned).
+        xmp.spawn(_spawned, args=(args,), nprocs=1 if args.xla_spawn == "1" else None)
+    except Exception as exc:  # a replica died: its own log holds its traceback
+        print(f"error: a replica failed ({type(exc).__name__}); see its log", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _spawned(index: int, args: argparse.Namespace) -> None:
+    """One replica started by torch_xla's spawn (with `nprocs=1`, in this same process)."""
+    import torch_xla.runtime as xr
+
+    die_with_parent()
+    redirect_output(args.run_dir / "logs" / f"rank-{xr.global_ordinal()}.log")
+    code = _train(args)
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -56,6 +56,15 @@ def _assert_no_leftovers(pgid: int, marker: str) -> None:
     assert not left, f"processes left behind: {[p.pid for p in left]}"
 
 
+def usage_error(result: subprocess.CompletedProcess[str], *expected: str) -> None:
+    """Exit code 2, no traceback, and every expected text in the output."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output
+    for text in expected:
+        assert text in output, output
+
+
 def write_spec(path: Path, **sections: dict) -> Path:
     """A spec for the mlp recipe with small, fast defaults; `sections` override per key."""
     spec = {

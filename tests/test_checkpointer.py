@@ -28,9 +28,9 @@ def strategy(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     strategy.teardown()
 
 
-def _load(path: Path, like: torch.Tensor) -> torch.Tensor:
+def _load(path: Path, like: torch.Tensor, strategy: DDPStrategy) -> torch.Tensor:
     state = {"model": {"w": torch.empty_like(like)}}
-    checkpoint.load(path, state, rank=0, world_size=1)
+    checkpoint.load(path, state, strategy)
     return state["model"]["w"]
 
 
@@ -44,7 +44,7 @@ def test_background_save_holds_the_state_as_it_was(tmp_path: Path, strategy) -> 
     saver.before_update()  # what the loop does before the optimizer changes the weights
     weights.add_(1.0)
     saver.close()
-    saved = _load(checkpoint.checkpoint_dir(tmp_path, 1), weights)
+    saved = _load(checkpoint.checkpoint_dir(tmp_path, 1), weights, strategy)
     assert torch.count_nonzero(saved) == 0
 
 
@@ -59,7 +59,10 @@ def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, u
     names = [p.name for p in checkpoint.complete_checkpoints(tmp_path)]
     assert names == ["step-00000002", "step-00000003"]
     assert not list((tmp_path / "checkpoints").glob(".*partial"))
-    assert _load(tmp_path / "checkpoints" / "step-00000003", torch.zeros(4)).tolist() == [3.0] * 4
+    assert (
+        _load(tmp_path / "checkpoints" / "step-00000003", torch.zeros(4), strategy).tolist()
+        == [3.0] * 4
+    )
 
 
 def test_metadata_cannot_reach_through_an_allowed_module(tmp_path: Path) -> None:

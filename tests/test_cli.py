@@ -8,16 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, only_run_dir, run_train, write_spec
+from tests.conftest import usage_error as _usage_error
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _usage_error(result, *expected: str) -> None:  # type: ignore[no-untyped-def]
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "Traceback" not in output
-    for text in expected:
-        assert text in output, output
 
 
 def test_help_shows_every_flag_and_real_examples(tmp_path: Path) -> None:
@@ -79,7 +72,7 @@ def test_gpu_without_cuda_says_what_is_missing(tmp_path: Path) -> None:
         (["--resume", "nowhere"], "--resume nowhere: no such folder"),
         (["--resume", "latest"], "--resume latest: no run named 't'"),
         (["--ranks", "3-1"], "--ranks: '3-1' is not a rank range"),
-        (["--strategy", "xla"], "launch.strategy: 'xla' is not available"),
+        (["--strategy", "xla", "--accelerator", "cpu"], "runs on TPUs through torch_xla"),
         (["--strategy", "fsdp", "--accelerator", "tpu"], "TPUs use xla_fsdp"),
         (["--strategy", "fsdp", "fsdp.cpu_offload=true"], "fsdp.cpu_offload: moves shards"),
     ],

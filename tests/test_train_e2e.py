@@ -19,14 +19,14 @@ def test_two_ranks_stream_prefixed_logs_and_write_run_files(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr + result.stdout
     out = result.stdout
     assert "\x1b[" not in out  # not a terminal: plain lines, no ANSI codes
-    assert "[rank 0] replica 0/2" in out and "[rank 1] replica 1/2" in out
+    assert "[rank 0] process 0/2" in out and "[rank 1] process 1/2" in out
     assert "[ranks 0-1] " in out  # the header every rank prints, folded into one line
     assert "[rank 0] step 10/10 | loss" in out
 
     run = only_run_dir(tmp_path / "runs")
     for rank in (0, 1):
         log = (run / "logs" / f"rank-{rank}.log").read_text()
-        assert f"replica {rank}/2" in log
+        assert f"process {rank}/2" in log
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 11))
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -95,8 +95,8 @@ def test_quickstart_config_is_what_make_demo_runs(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr + result.stdout
-    assert "[rank 1] replica 1/2" in result.stdout
-    assert "[rank 0] replica 0/2" not in result.stdout  # hidden by --ranks 1
+    assert "[rank 1] process 1/2" in result.stdout
+    assert "[rank 0] process 0/2" not in result.stdout  # hidden by --ranks 1
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

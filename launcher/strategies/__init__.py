@@ -1,48 +1,101 @@
 """Backends behind one interface (`Strategy`). Each lives in its own module, imported on demand
-so that e.g. torch_xla is only imported by the XLA strategies."""
+so that e.g. torch_xla is only imported by the XLA strategies, and only inside the workers."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
+from typing import Literal
 
 from launcher.errors import UsageError
 from launcher.spec import RunSpec
 from launcher.strategies.base import Strategy
 
-# name -> (module, class, the spec section of its own options or None)
-_STRATEGIES = {
-    "ddp": ("launcher.strategies.ddp", "DDPStrategy", None),
-    "fsdp": ("launcher.strategies.fsdp", "FSDPStrategy", "fsdp"),
+# How a node's replicas come to be:
+# - per_device: the elastic agent starts one worker process per device (torchrun's way);
+# - xla_spawn: the agent starts one worker, which starts a replica per TPU device through
+#   torch_xla's spawn (`xmp.spawn`), as torch_xla's multi-process data parallel requires;
+# - per_host: the agent starts one worker that drives every device of the host (XLA SPMD).
+Processes = Literal["per_device", "xla_spawn", "per_host"]
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    module: str
+    cls: str
+    accelerators: tuple[str, ...]
+    processes: Processes = "per_device"
+    section: str | None = None  # the spec section of its own options
+    async_checkpoints: bool = True
+    # Environment of its CPU workers. fsdp gathers and frees every block's parameters each
+    # step; glibc then raises its mmap threshold and keeps those buffers on the heap. On the
+    # 100M GPT a fixed threshold cut peak RSS per rank from 2265 to 1285 MB at the same speed
+    # (BENCHMARKS.md).
+    cpu_env: dict[str, str] = field(default_factory=dict)
+
+
+STRATEGIES = {
+    "ddp": StrategyInfo("launcher.strategies.ddp", "DDPStrategy", ("cpu", "gpu")),
+    "fsdp": StrategyInfo(
+        "launcher.strategies.fsdp",
+        "FSDPStrategy",
+        ("cpu", "gpu"),
+        section="fsdp",
+        cpu_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
+    ),
+    "xla": StrategyInfo(
+        "launcher.strategies.xla",
+        "XLAStrategy",
+        ("tpu",),
+        processes="xla_spawn",
+        section="xla",
+        async_checkpoints=False,
+    ),
+    "xla_spmd": StrategyInfo(
+        "launcher.strategies.xla_spmd",
+        "XLASpmdStrategy",
+        ("tpu",),
+        processes="per_host",
+        section="xla",
+        async_checkpoints=False,
+    ),
+    "xla_fsdp": StrategyInfo(
+        "launcher.strategies.xla_spmd",
+        "XLAFSDPStrategy",
+        ("tpu",),
+        processes="per_host",
+        section="xla",
+        async_checkpoints=False,
+    ),
 }
 
 
-def build_strategy(spec: RunSpec, accelerator: str) -> Strategy:
-    name = spec.launch.strategy
-    if name not in _STRATEGIES:
-        available = ", ".join(sorted(_STRATEGIES))
+def strategy_info(name: str) -> StrategyInfo:
+    if name not in STRATEGIES:
         raise UsageError(
-            f"launch.strategy: {name!r} is not available in this version (available: {available})"
+            f"launch.strategy: {name!r} is not a strategy (available: "
+            f"{', '.join(sorted(STRATEGIES))})"
         )
-    module, cls, section = _STRATEGIES[name]
-    options = (getattr(spec, section),) if section else ()
-    return getattr(importlib.import_module(module), cls)(
+    return STRATEGIES[name]
+
+
+def build_strategy(spec: RunSpec, accelerator: str) -> Strategy:
+    info = strategy_info(spec.launch.strategy)
+    options = (getattr(spec, info.section),) if info.section else ()
+    return getattr(importlib.import_module(info.module), info.cls)(
         accelerator, spec.train.precision, *options
     )
 
 
-# Environment a strategy's CPU workers start with. fsdp gathers and frees every block's
-# parameters each step; glibc then raises its mmap threshold and keeps those buffers on the
-# heap. On the 100M GPT a fixed threshold cut peak RSS per rank from 2265 to 1285 MB at the
-# same speed (BENCHMARKS.md).
-_CPU_WORKER_ENV = {"fsdp": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
-
-
 def worker_env(name: str, accelerator: str) -> dict[str, str]:
-    return dict(_CPU_WORKER_ENV.get(name, {})) if accelerator == "cpu" else {}
+    return dict(strategy_info(name).cpu_env) if accelerator == "cpu" else {}
 
 
-def available_strategies() -> list[str]:
-    return sorted(_STRATEGIES)
-
-
-__all__ = ["Strategy", "available_strategies", "build_strategy", "worker_env"]
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "StrategyInfo",
+    "build_strategy",
+    "strategy_info",
+    "worker_env",
+]

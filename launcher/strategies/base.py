@@ -14,13 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from launcher import rng
 from launcher.recipe import WeightInit
 
 
 class Strategy(ABC):
     name: str
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # this process among all training processes
+    world_size: int = 1  # training processes
+    # Devices one process drives: 1, except under XLA SPMD (every device of the host). The
+    # loader of a process yields `data.batch_size * devices_per_process` samples per batch.
+    devices_per_process: int = 1
     device: torch.device
 
     @abstractmethod
@@ -71,8 +75,42 @@ class Strategy(ABC):
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of a small tensor of metrics over all replicas."""
 
-    def on_step_end(self) -> None:  # noqa: B027 (an optional hook)
-        """Called after each optimizer step (XLA cuts its graph here)."""
+    def on_step_end(self, step: int) -> None:  # noqa: B027 (an optional hook)
+        """Called after optimizer step `step` (XLA cuts and runs its graph here)."""
+
+    def read(self, values: torch.Tensor, then: Callable[[list[float]], None]) -> None:
+        """Hands the host values of a small device tensor to `then`. A backend that runs
+        asynchronously (XLA) calls `then` once the step that computes them has run, instead
+        of stalling the loop here."""
+        then(values.tolist())
+
+    def drain(self) -> None:  # noqa: B027 (an optional hook)
+        """Waits until queued device work and every pending `read` are done."""
+
+    def seed(self, seed: int) -> None:
+        """Seeds every random number generator of this process, the device's included."""
+        rng.seed_everything(seed)
+
+    def rng_state(self) -> dict[str, Any]:
+        return rng.rng_state()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        rng.set_rng_state(state)
+
+    def save_planner(self) -> Any:
+        """torch.distributed.checkpoint's save planner for this backend's tensors (None: DCP's
+        default)."""
+        return None
+
+    def load_planner(self) -> Any:
+        """DCP's load planner; it must never unpickle anything but tensors and plain data."""
+        from launcher.checkpoint_format import weights_only_planner
+
+        return weights_only_planner()
+
+    def summary(self) -> dict[str, Any]:
+        """Backend figures for the end of the run (summary.json and the last line)."""
+        return {}
 
     @abstractmethod
     def barrier(self) -> None: ...
@@ -96,6 +134,11 @@ class Strategy(ABC):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the devices that each take `data.batch_size` samples."""
+        return self.world_size * self.devices_per_process
 
 
 def _map_tensors(batch: Any, fn: Any) -> Any:

@@ -1,0 +1,88 @@
+"""The root-cause panel: which rank failed, where, how (in plain words), its traceback and the
+last lines of its log. Built from what the failed worker left on disk, so it works for any
+failure, a Python exception or a SIGKILL from the kernel, with nothing to decorate."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.text import Text
+
+_SIGNALS = {
+    signal.SIGKILL: "killed (SIGKILL): most often the kernel's out-of-memory killer; "
+    "see `dmesg` or your scheduler's memory report",
+    signal.SIGSEGV: "segmentation fault (SIGSEGV): a crash in native code (an extension, "
+    "a driver, or a tensor used after its memory was freed)",
+    signal.SIGABRT: "aborted (SIGABRT): native code gave up, usually on a failed check",
+    signal.SIGBUS: "bus error (SIGBUS): often shared memory (/dev/shm) ran out",
+    signal.SIGFPE: "floating-point exception (SIGFPE): e.g. an integer division by zero",
+    signal.SIGILL: "illegal instruction (SIGILL): a binary built for another CPU",
+    signal.SIGTERM: "terminated (SIGTERM) from outside",
+    signal.SIGINT: "interrupted (SIGINT)",
+    signal.SIGHUP: "hung up (SIGHUP): its terminal or session went away",
+    signal.SIGPIPE: "broken pipe (SIGPIPE)",
+}
+_CODES = {
+    1: "exited with an error (exit code 1)",
+    2: "stopped on bad input (exit code 2)",
+}
+_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.MULTILINE)
+
+
+def describe_exit(code: int) -> str:
+    """An exit code as the elastic agent reports it (negative: killed by that signal)."""
+    if code < 0 or code > 128:
+        number = -code if code < 0 else code - 128
+        try:
+            sig = signal.Signals(number)
+        except ValueError:
+            return f"killed by signal {number}"
+        return _SIGNALS.get(sig, f"killed by {sig.name}")
+    return _CODES.get(code, f"exited with code {code}")
+
+
+def last_traceback(log: str) -> str | None:
+    """The last Python traceback in a log, through its exception line(s)."""
+    starts = list(_TRACEBACK.finditer(log))
+    if not starts:
+        return None
+    lines = log[starts[-1].start() :].splitlines()
+    for i, line in enumerate(lines[1:], start=1):
+        if line and not line[0].isspace():  # the exception line ends the traceback
+            return "\n".join(lines[: i + 1])
+    return "\n".join(lines)
+
+
+def _error_line(log: str) -> str | None:
+    found = [line for line in log.splitlines() if line.startswith("error: ")]
+    return found[-1] if found else None
+
+
+def failure_panel(rank: int, host: str, code: int, log_file: Path, tail: int = 12) -> Panel:
+    try:
+        log = log_file.read_text(errors="replace")
+    except OSError:
+        log = ""
+    parts: list[Text] = [
+        Text.assemble(("how: ", "bold"), describe_exit(code)),
+        Text.assemble(("log: ", "bold"), str(log_file)),
+    ]
+    detail = last_traceback(log) or _error_line(log)
+    if detail:
+        parts += [Text(""), Text(detail, style="red")]
+    lines = [line for line in log.splitlines() if line.strip()]
+    shown = [line for line in lines[-tail:] if not detail or line not in detail]
+    if shown:
+        parts += [Text(""), Text(f"last lines of rank {rank}'s log:", style="bold")]
+        parts += [Text(line, style="dim") for line in shown]
+    return Panel(
+        Group(*parts),
+        title=Text(f"rank {rank} failed on {host}", style="bold red"),
+        title_align="left",
+        border_style="red",
+        expand=False,
+    )

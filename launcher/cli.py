@@ -69,6 +69,8 @@ def run_command(
     accelerator: Annotated[str | None, typer.Option(help=_doc("accelerator"))] = None,
     devices: Annotated[str | None, typer.Option(help=_doc("devices"))] = None,
     strategy: Annotated[str | None, typer.Option(help=_doc("strategy"))] = None,
+    max_restarts: Annotated[str | None, typer.Option(help=_doc("max_restarts"))] = None,
+    stall_timeout: Annotated[str | None, typer.Option(help=_doc("stall_timeout"))] = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -115,7 +117,10 @@ def run_command(
             accelerator=accelerator,
             devices=devices,
             strategy=strategy,
+            max_restarts=max_restarts,
+            stall_timeout=stall_timeout,
         )
+        _check_recipe(spec.recipe.source)  # a recipe that cannot load fails here, not per rank
         plan = make_plan(spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug)
         return execute(plan)
 
@@ -131,10 +136,8 @@ def validate_command(
     """Check a run spec and its recipe without running anything."""
 
     def go() -> int:
-        from launcher.recipe import load_recipe
-
         spec = _load(config, overrides)
-        load_recipe(spec.recipe.source)
+        _check_recipe(spec.recipe.source)
         err.print(f"{config}: ok")
         return 0
 
@@ -146,14 +149,27 @@ def _load(  # type: ignore[no-untyped-def]
 ):
     from launcher.spec_loader import load_spec, parse_yaml_value
 
+    # Numbers and `null` are read as YAML, as in overrides; names stay strings.
+    typed = ("devices", "max_restarts", "stall_timeout")
     given: dict[str, tuple[str, object]] = {
-        f"launch.{key}": (f"--{key}", parse_yaml_value(value) if key == "devices" else value)
+        f"launch.{key}": (
+            f"--{key.replace('_', '-')}",
+            parse_yaml_value(value) if key in typed else value,
+        )
         for key, value in flags.items()
         if value is not None
     }
     if strict_compile:
         given["xla.strict_compile"] = ("--strict-compile", True)
     return load_spec(config, overrides or [], flags=given)
+
+
+def _check_recipe(source: str) -> None:
+    """Imports the recipe as the workers will (from the working directory) and checks that it
+    defines what the launcher calls."""
+    from launcher.recipe import load_recipe
+
+    load_recipe(source)
 
 
 def _guarded(fn, debug: bool) -> int:  # type: ignore[no-untyped-def]

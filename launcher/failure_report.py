@@ -62,7 +62,9 @@ def _error_line(log: str) -> str | None:
     return found[-1] if found else None
 
 
-def failure_panel(rank: int, host: str, code: int, log_file: Path, tail: int = 12) -> Panel:
+def failure_panel(
+    rank: int, host: str, code: int, log_file: Path, tail: int = 12, max_traceback: int = 16
+) -> Panel:
     try:
         log = log_file.read_text(errors="replace")
     except OSError:
@@ -72,10 +74,13 @@ def failure_panel(rank: int, host: str, code: int, log_file: Path, tail: int = 1
         Text.assemble(("log: ", "bold"), str(log_file)),
     ]
     detail = last_traceback(log) or _error_line(log)
+    if detail and detail.count("\n") > max_traceback:  # the innermost frames say the most
+        detail = "  ...\n" + "\n".join(detail.splitlines()[-max_traceback:])
     if detail:
         parts += [Text(""), Text(detail, style="red")]
     lines = [line for line in log.splitlines() if line.strip()]
-    shown = [line for line in lines[-tail:] if not detail or line not in detail]
+    # Bad input (exit 2) is said in full by its error line; other failures get the context.
+    shown = [] if code == 2 else [line for line in lines[-tail:] if line not in (detail or "")]
     if shown:
         parts += [Text(""), Text(f"last lines of rank {rank}'s log:", style="bold")]
         parts += [Text(line, style="dim") for line in shown]

@@ -19,7 +19,7 @@ from launcher.optim import build_optimizer, build_scheduler
 from launcher.recipe import Recipe, WeightInit
 from launcher.spec import RunSpec
 from launcher.strategies import Strategy
-from launcher.telemetry import Telemetry
+from launcher.telemetry import STOP_FILE, Telemetry
 
 
 @dataclass
@@ -35,9 +35,13 @@ class Trainer:
     recipe: Recipe
     strategy: Strategy
     run_dir: Path
+    attempt: int = 0  # restarts of the run so far (torch.distributed.elastic's restart count)
 
     def fit(self, resume_from: Path | None = None) -> None:
         spec, strategy = self.spec, self.strategy
+        # First, so that the hang watchdog sees this process alive while it builds and restores.
+        self.telemetry = Telemetry(self.run_dir, strategy.rank, strategy.is_main, self.attempt)
+        self.telemetry.progress(0)
         strategy.seed(spec.run.seed)
         rss_before_build = memory.rss_bytes()
         self.model = strategy.build_model(
@@ -64,13 +68,15 @@ class Trainer:
                 "data.batch_size"
             )
         self.total_steps = _total_steps(spec, self.steps_per_epoch)
-        self.optimizer = build_optimizer(spec.optim, self.model.parameters())
+        self.optimizer = build_optimizer(
+            spec.optim, self.model.parameters(), strategy.optimizer_defaults()
+        )
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
         self.progress = Progress()
         self.window = MetricsWindow()
         if resume_from is not None:
             self._restore(resume_from)
-        self.telemetry = Telemetry(self.run_dir, strategy.rank, strategy.is_main)
+        self.telemetry.progress(self.progress.step)
         self.checkpointer = checkpoint.Checkpointer(
             strategy, self.run_dir, spec.checkpoint.keep_last, spec.checkpoint.async_, self.model
         )
@@ -96,16 +102,18 @@ class Trainer:
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
         saved_at = progress.step
-        while progress.step < self.total_steps:
+        stop_file = self.run_dir / STOP_FILE
+        stopped = False
+        while progress.step < self.total_steps and not stopped:
             per_replica = progress.samples_in_epoch // self.strategy.world_size
             start_epoch(self.loader, progress.epoch, per_replica, spec.run.seed, self.strategy.rank)
             batches = iter(self.strategy.loader(self.loader))
             left = len(self.loader) // spec.train.grad_accum_steps
             for _ in range(min(left, self.total_steps - progress.step)):
                 started = time.perf_counter()
-                loss, metrics = self._step(batches)
+                self._step(batches)
                 self.telemetry.step_done(time.perf_counter() - started)
-                self.window.add(loss, metrics)
+                self.telemetry.progress(progress.step)
                 if progress.step % spec.train.log_every == 0 or progress.step == self.total_steps:
                     self._log()
                 every = spec.checkpoint.every_n_steps
@@ -113,7 +121,13 @@ class Trainer:
                     self._save()
                     saved_at = progress.step
                 self.checkpointer.poll()
-            if progress.step < self.total_steps:  # the epoch ran out before the step budget
+                # The launcher asks for a stop (Ctrl-C, SIGTERM) with a file; every rank must
+                # agree on the step, or a rank that saw it late would wait for the others.
+                if self.strategy.any_rank(stop_file.exists()):
+                    stopped = True
+                    self._say(f"stop requested: stopping after step {progress.step}")
+                    break
+            if progress.step < self.total_steps and not stopped:  # the epoch ran out
                 progress.epoch += 1
                 progress.samples_in_epoch = 0
         if saved_at != progress.step and spec.checkpoint.enabled:
@@ -140,7 +154,7 @@ class Trainer:
             + (f"; last checkpoint {last}" if last else "")
         )
 
-    def _step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _step(self, batches: Any) -> None:
         accum = self.spec.train.grad_accum_steps
         total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
@@ -165,15 +179,16 @@ class Trainer:
             self.telemetry.checkpoint_blocked(waited, same_save=True)
         self.strategy.optimizer_step(self.model, self.optimizer, self.spec.train.grad_clip_norm)
         self.scheduler.step()
+        assert total_loss is not None
+        if accum > 1:
+            total_loss, totals = total_loss / accum, {k: v / accum for k, v in totals.items()}
+        # Before the step's graph is cut (XLA): the window's sums are part of the step.
+        self.window.add(total_loss, totals)
         self.strategy.on_step_end(self.progress.step + 1)
         self.progress.step += 1
         # Every replica's shard has the same length (the sampler pads), so the global count is
         # exact, also for a short last batch (data.drop_last: false).
         self.progress.samples_in_epoch += samples * self.strategy.world_size
-        assert total_loss is not None
-        if accum == 1:
-            return total_loss, totals
-        return total_loss / accum, {k: v / accum for k, v in totals.items()}
 
     def _log(self) -> None:
         local = self.window.mean()
@@ -227,6 +242,7 @@ class Trainer:
         }
         state = self.strategy.state_dict(self.model, self.optimizer)
         self.checkpointer.save(self.progress.step, state, meta, rank_state)
+        self.telemetry.progress(self.progress.step)  # a long save is not a hang
         # Saving must not move the random streams (XLA advances its seed at every graph cut),
         # or the run would go on drawing other numbers than a run resumed from this save.
         self.strategy.set_rng_state(rng)

@@ -15,6 +15,9 @@ class MetricsWindow:
     def __init__(self) -> None:
         self.steps = 0
         self.sums: dict[str, torch.Tensor] = {}
+        # The step count, on the device too: dividing by a Python number would make a window
+        # of 1 step (a special constant to XLA) a graph of its own.
+        self.count: torch.Tensor | None = None
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -24,11 +27,12 @@ class MetricsWindow:
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
         self.steps += 1
         self.timed_steps += 1
+        self.count = torch.ones((), device=loss.device) if self.count is None else self.count + 1
         for k, v in {"loss": loss, **metrics}.items():
             self.sums[k] = self.sums[k] + v if k in self.sums else v
 
     def mean(self) -> dict[str, torch.Tensor]:
-        return {k: v / self.steps for k, v in self.sums.items()}
+        return {k: v / self.count for k, v in self.sums.items()}
 
     def seconds_per_step(self) -> float:
         return (time.perf_counter() - self.started) / max(1, self.timed_steps)
@@ -39,4 +43,5 @@ class MetricsWindow:
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.steps = state["steps"]
         self.sums = {k: v.to(device) for k, v in state["sums"].items()}
+        self.count = torch.tensor(float(self.steps), device=device) if self.steps else None
         self.restart_clock()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -12,9 +14,16 @@ from launcher.spec import OptimSection, optimizer_class
 
 
 def build_optimizer(
-    optim: OptimSection, params: Iterable[torch.nn.Parameter]
+    optim: OptimSection,
+    params: Iterable[torch.nn.Parameter],
+    defaults: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    return optimizer_class(optim.name)(params, lr=optim.lr, **optim.kwargs)
+    """`defaults`: a backend's preferred options, used where the optimizer takes them and
+    `optim.kwargs` does not set them."""
+    cls = optimizer_class(optim.name)
+    accepted = inspect.signature(cls).parameters
+    chosen = {k: v for k, v in (defaults or {}).items() if k in accepted}
+    return cls(params, lr=optim.lr, **{**chosen, **optim.kwargs})
 
 
 def lr_factor(optim: OptimSection, step: int, total_steps: int) -> float:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import checkpoint
+from launcher.checkpoint_format import read_metadata
 from launcher.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.errors import UsageError
 from launcher.ranks import parse_ranks
@@ -86,11 +87,17 @@ def make_plan(
         )
     output_dir = Path(spec.run.output_dir)
     resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
+    if resume_from is not None:
+        read_metadata(resume_from)  # a corrupt checkpoint is refused here, before any process
     explicit = run_dir is not None
     if run_dir is None:
-        # A resumed run continues in its own folder; a new run gets a new one.
+        # A resumed run continues in its own folder; a new run, or one resumed from a
+        # checkpoint that is not inside a run folder, gets a new one.
+        in_a_run = resume_from is not None and resume_from.parent.name == "checkpoints"
         run_dir = (
-            resume_from.parent.parent if resume_from else _new_run_dir(output_dir, spec.run.name)
+            resume_from.parent.parent  # type: ignore[union-attr]
+            if in_a_run
+            else _new_run_dir(output_dir, spec.run.name)
         )
     newest = checkpoint.latest_complete(run_dir)
     # Writing into a folder that holds a run is safe only when this run continues exactly

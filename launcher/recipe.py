@@ -109,10 +109,24 @@ def load_recipe(source: str) -> Recipe:
         module = _import(source)
     except UsageError:
         raise
-    except Exception as exc:
-        frames = traceback.format_exception(exc)
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else source
+        code = (exc.text or "").rstrip("\n")
+        caret = " " * max(0, (exc.offset or 1) - 1 - (len(code) - len(code.lstrip()))) + "^"
         raise UsageError(
-            f"recipe.source: importing {source} failed:", details=["".join(frames).rstrip()]
+            f"recipe.source: {where}: {exc.msg}",
+            details=[code.strip(), caret] if code.strip() else [],
+        ) from None
+    except Exception as exc:
+        # Only the user's frames: the launcher's and importlib's say nothing about their bug.
+        frames = [
+            f
+            for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith(("<frozen", str(Path(__file__).parent)))
+        ]
+        lines = traceback.format_list(frames) + traceback.format_exception_only(exc)
+        raise UsageError(
+            f"recipe.source: importing {source} failed:", details=["".join(lines).rstrip()]
         ) from None
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:

@@ -97,6 +97,20 @@ class LaunchSection(Section):
         "device) or `xla_fsdp` (SPMD with parameters sharded too, FSDPv2); see `xla`.",
     )
 
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="After a failure, restart every rank from the latest complete checkpoint, "
+        "up to this many times (torch.distributed.elastic's restarts).",
+    )
+    stall_timeout: float | None = Field(
+        600.0,
+        gt=0,
+        description="Seconds without progress (no step finished) after which a rank counts as "
+        "hung: the launcher shows the stalled ranks' Python stacks and stops the run. "
+        "`null` turns the watchdog off.",
+    )
+
 
 class RecipeSection(Section):
     source: str = Field(

@@ -1,17 +1,39 @@
-"""What a worker reports, as files the launcher follows: it never blocks on a terminal.
+"""Files between workers and the launcher: a worker never blocks on a terminal or a pipe.
 
-- telemetry/rank-N.jsonl: every rank's own progress (the live status region, and a heartbeat);
+Workers write:
+- telemetry/rank-N.jsonl: every rank's own progress, each record with its pid (the live
+  status region);
+- telemetry/rank-N.beat: one short line, rewritten in place after every step and save
+  (`step beats pid`): the heartbeat the launcher's hang watchdog follows;
 - metrics.jsonl: rank 0's metrics averaged over all ranks;
 - summary.json: rank 0's timings at the end (bench/ reads it).
+
+The launcher writes STOP_FILE to ask every rank to finish its step, save and exit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+STOP_FILE = "stop-request"
+
+
+def beat_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "telemetry" / f"rank-{rank}.beat"
+
+
+def read_beat(path: Path) -> tuple[int, int, int] | None:
+    """(step, beats, pid) from a heartbeat file, or None while there is none."""
+    try:
+        step, beats, pid = path.read_text().split()
+        return int(step), int(beats), int(pid)
+    except (OSError, ValueError):
+        return None
 
 
 class Telemetry:
@@ -33,6 +55,14 @@ class Telemetry:
             if is_main
             else None
         )
+        # One write in place per step: cheap at any step rate, and the file never grows.
+        self._beat = os.open(beat_path(run_dir, rank), os.O_WRONLY | os.O_CREAT, 0o644)
+        self._beats = 0
+
+    def progress(self, step: int) -> None:
+        """A heartbeat: alive, and step `step` is done."""
+        self._beats += 1
+        os.pwrite(self._beat, f"{step:>12} {self._beats:>12} {os.getpid():>10}\n".encode(), 0)
 
     def step_done(self, seconds: float) -> None:
         if self.first_step_end is None:
@@ -47,7 +77,13 @@ class Telemetry:
             self.checkpoint_times.append(seconds)
 
     def heartbeat(self, **fields: Any) -> None:
-        record = {"rank": self.rank, "attempt": self.attempt, "time": time.time(), **fields}
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "time": time.time(),
+            **fields,
+        }
         record["elapsed_s"] = round(record["time"] - self.started, 3)
         self._heartbeat.write(json.dumps(record) + "\n")
 
@@ -71,6 +107,7 @@ class Telemetry:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
     def close(self) -> None:
+        os.close(self._beat)
         self._heartbeat.close()
         if self._metrics is not None:
             self._metrics.close()

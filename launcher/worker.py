@@ -57,11 +57,35 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def dump_stacks_on_request() -> None:
+    """SIGUSR2 prints every thread's Python stack into the log: the launcher's hang watchdog
+    asks for it. faulthandler does it from C, so it works even when Python is stuck."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+
+def resume_point(run_dir: Path, requested: Path | None) -> Path | None:
+    """Where this attempt starts: after a restart, the run's latest complete checkpoint."""
+    from launcher.checkpoint import latest_complete
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return requested
+    latest = latest_complete(run_dir) or requested
+    limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) + 1
+    where = f"resuming from {latest}" if latest else "no checkpoint yet: starting over"
+    print(f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}", flush=True)
+    return latest
+
+
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(args.run_dir / "logs" / f"rank-{rank}.log")
+    dump_stacks_on_request()
     code = _xla_spawn(args) if args.xla_spawn else _train(args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -88,6 +112,7 @@ def _spawned(index: int, args: argparse.Namespace) -> None:
 
     die_with_parent()
     redirect_output(args.run_dir / "logs" / f"rank-{xr.global_ordinal()}.log")
+    dump_stacks_on_request()
     code = _train(args)
     if code:
         sys.stdout.flush()
@@ -106,22 +131,43 @@ def _train(args: argparse.Namespace) -> int:
 
     errors = get_error_handler()
     errors.initialize()
+    strategy = None
     try:
         spec = load_spec(args.spec)
         strategy = build_strategy(spec, args.accelerator)
         strategy.setup()
-        trainer = Trainer(spec, load_recipe(spec.recipe.source), strategy, args.run_dir)
-        trainer.fit(resume_from=args.resume)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        recipe = load_recipe(spec.recipe.source)
+        trainer = Trainer(spec, recipe, strategy, args.run_dir, attempt)
+        trainer.fit(resume_from=resume_point(args.run_dir, args.resume))
         strategy.barrier()  # nobody leaves the group while a peer still talks to it
         strategy.teardown()
         return 0
     except LauncherError as exc:
         print(f"error: {exc.render()}", file=sys.stderr, flush=True)
+        _record_failure(args.run_dir, strategy)
         return exc.exit_code
     except BaseException as exc:  # the user's bug, or ours: the traceback is the message
         traceback.print_exc()
         errors.record_exception(exc)  # the elastic agent's root-cause file, as @record writes
+        _record_failure(args.run_dir, strategy)
         return 1
+
+
+def _record_failure(run_dir: Path, strategy: object) -> None:
+    """When this rank failed, to the microsecond: the launcher names the rank that failed
+    first as the root cause (peers that lost it fail a moment later)."""
+    import json
+    import time
+
+    rank = getattr(strategy, "rank", None)
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    record = {"rank": rank, "pid": os.getpid(), "failed_at": time.time()}
+    try:
+        with open(run_dir / "telemetry" / f"rank-{rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

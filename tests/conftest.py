@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -13,6 +14,50 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A recipe that misbehaves on demand: $FAULT at micro-step $FAULT_AT (default 4) of rank
+# $FAULT_RANK (default 1): raise, sleep (hang), segv; or slow (every step sleeps 0.1 s), or
+# shrink (every rank, from that step on, drops one sample: a new shape).
+FAULTY_RECIPE = """
+import ctypes, os, time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+calls = 0
+FAULT = os.environ.get("FAULT", "")
+AT = int(os.environ.get("FAULT_AT", "4"))
+HERE = os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1")
+
+
+def build_model():
+    return nn.Linear(4, 1)
+
+
+def build_dataset(split):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(512, 4, generator=g), torch.randn(512, 1, generator=g))
+
+
+def loss(model, batch):
+    global calls
+    calls += 1
+    x, y = batch
+    if FAULT == "slow":
+        time.sleep(0.1)
+    if FAULT == "shrink" and calls >= AT:
+        x, y = x[:-1], y[:-1]
+    if calls == AT and HERE:
+        if FAULT == "raise":
+            with open("crashed_at", "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError(f"boom on rank {os.environ['RANK']}")
+        if FAULT == "sleep":
+            time.sleep(3600)
+        if FAULT == "segv":
+            ctypes.string_at(0)
+    return nn.functional.mse_loss(model(x), y)
+"""
 TRAIN = Path(sys.executable).parent / "train"
 
 
@@ -20,7 +65,14 @@ def run_train(
     args: list[str], cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`train ARGS` in its own process group; killed as a group if it outlives `timeout`."""
-    proc = subprocess.Popen(
+    return finish_train(start_train(args, cwd, env), cwd, timeout)
+
+
+def start_train(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, **popen: object
+) -> subprocess.Popen[str]:
+    """`train ARGS` started and left running (finish it with finish_train)."""
+    return subprocess.Popen(
         [str(TRAIN), *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -28,16 +80,39 @@ def run_train(
         text=True,
         env={**os.environ, "COLUMNS": "200", **(env or {})},
         start_new_session=True,
+        **popen,  # type: ignore[arg-type]
     )
+
+
+def finish_train(
+    proc: subprocess.Popen[str], cwd: Path, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Waits for `train`, kills its group if it outlives `timeout`, and checks that no
+    process of it is left behind."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"train {' '.join(args)} timed out after {timeout}s\n{out}\n{err}")
+        pytest.fail(
+            f"train {' '.join(map(str, proc.args))} timed out after {timeout}s\n{out}\n{err}"
+        )
     finally:
         _assert_no_leftovers(proc.pid, marker=str(cwd))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen[str]) -> int:
+    """Blocks until `rank` has finished `step` (its heartbeat file says so); returns its pid."""
+    beat = run_dir / "telemetry" / f"rank-{rank}.beat"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"train ended early: {proc.communicate()}"
+        parts = beat.read_text().split() if beat.exists() else []
+        if len(parts) == 3 and int(parts[0]) >= step:
+            return int(parts[2])
+        time.sleep(0.05)
+    pytest.fail(f"rank {rank} did not reach step {step}")
 
 
 def _assert_no_leftovers(pgid: int, marker: str) -> None:

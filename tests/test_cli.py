@@ -123,6 +123,6 @@ def test_a_recipe_bug_shows_the_users_traceback(tmp_path: Path) -> None:
         or "[ranks 0-1] RuntimeError: my model is broken" in result.stdout
     ), result.stdout
     assert 'buggy.py", line 6, in helper' in result.stdout
-    assert "failed with exit code 1" in result.stdout
+    assert "exited with an error (exit code 1)" in result.stdout
     run = only_run_dir(tmp_path / "runs")
     assert "my model is broken" in (run / "logs" / "rank-1.log").read_text()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from launcher.checkpoint import MARKER, latest_complete, resolve_resume
 from launcher.errors import UsageError
@@ -18,6 +20,8 @@ def _checkpoint(run: Path, step: int, complete: bool = True) -> Path:
     path.mkdir(parents=True)
     if complete:
         (path / MARKER).write_text("")
+        # The metadata DCP writes, empty: the plan reads it to refuse corrupt checkpoints.
+        (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
     return path
 
 

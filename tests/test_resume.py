@@ -272,7 +272,7 @@ def test_corrupt_or_malicious_checkpoint_is_refused(tmp_path: Path, content: byt
         cwd=tmp_path,
     )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "corrupt or unsafe checkpoint metadata" in result.stdout
+    assert "corrupt or unsafe checkpoint metadata" in result.stdout + result.stderr
     assert not (tmp_path / "pwned").exists()
 
 

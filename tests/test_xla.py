@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launcher.devices import Devices, tpu_devices
-from tests.conftest import REPO, run_train, write_spec
+from tests.conftest import FAULTY_RECIPE, REPO, run_train, write_spec
 from tests.conftest import usage_error as _usage_error
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -45,9 +45,11 @@ def _spec(folder: Path, strategy: str, devices: int, **sections: dict) -> Path:
     return write_spec(folder / "run.yaml", **base)
 
 
-def _train(folder: Path, spec: Path, *args: str, timeout: float = 240):  # type: ignore[no-untyped-def]
-    result = run_train(["--config", str(spec), *args], cwd=folder, timeout=timeout, env=XLA_CPU)
-    return result
+def _train(  # type: ignore[no-untyped-def]
+    folder: Path, spec: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+):
+    env = XLA_CPU | (env or {})
+    return run_train(["--config", str(spec), *args], cwd=folder, timeout=timeout, env=env)
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -165,8 +167,8 @@ def _compilations(tmp_path: Path, name: str, steps: int) -> dict:
         "xla_fsdp",
         2,
         data={"batch_size": 8, "drop_last": False},  # 500 = 31 * 16 + 4: a short last batch
-        train={"max_steps": steps, "log_every": 1},
-        checkpoint={"every_n_steps": 7},
+        train={"max_steps": steps, "log_every": 3},
+        checkpoint={"every_n_steps": 7},  # saves between log lines, and on them
     )
     result = _train(tmp_path, spec, "--run-dir", str(tmp_path / name / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -177,7 +179,7 @@ def _compilations(tmp_path: Path, name: str, steps: int) -> dict:
 
 @needs_xla
 def test_compilations_are_bounded_and_do_not_grow_with_steps(tmp_path: Path) -> None:
-    # 31 steps per epoch: the long run crosses two epoch ends, logs every step and saves 10
+    # 31 steps per epoch: the long run crosses two epoch ends, logs every 3 steps and saves 10
     # checkpoints, and still compiles exactly the graphs of the short one.
     short, long = _compilations(tmp_path, "short", 5), _compilations(tmp_path, "long", 70)
     assert long["xla_compilations"] == short["xla_compilations"] <= 6
@@ -185,39 +187,12 @@ def test_compilations_are_bounded_and_do_not_grow_with_steps(tmp_path: Path) -> 
     assert long["xla_compile_s"] > 0
 
 
-RECOMPILING_RECIPE = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-calls = 0
-
-
-def build_model():
-    return nn.Linear(4, 1)
-
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 1, generator=g))
-
-
-def loss(model, batch):
-    global calls
-    calls += 1
-    x, y = batch
-    if calls >= 9:  # from step 9 on, one sample fewer: a new shape, so a new graph
-        x, y = x[:-1], y[:-1]
-    return nn.functional.mse_loss(model(x), y)
-"""
-
-
 @needs_xla
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_recompilation_after_warmup_is_named_and_strict_stops_the_run(
     tmp_path: Path, strict: bool
 ) -> None:
-    (tmp_path / "shapes.py").write_text(RECOMPILING_RECIPE)
+    (tmp_path / "shapes.py").write_text(FAULTY_RECIPE)  # FAULT=shrink: a new shape at step 9
     spec = _spec(
         tmp_path,
         "xla",
@@ -226,7 +201,8 @@ def test_a_recompilation_after_warmup_is_named_and_strict_stops_the_run(
         train={"max_steps": 12, "log_every": 2},
         checkpoint={"enabled": False},
     )
-    result = _train(tmp_path, spec, *(["--strict-compile"] if strict else []))
+    args = ["--strict-compile"] if strict else []
+    result = _train(tmp_path, spec, *args, env={"FAULT": "shrink", "FAULT_AT": "9"})
     output = result.stdout + result.stderr
     assert "step 9: XLA compiled 1 new graph after warm-up" in output
     assert "Traceback" not in output
@@ -321,13 +297,27 @@ def test_the_compile_cache_goes_in_the_run_dir_on_tpu_only(
 
 @needs_xla
 def test_xla_replica_failure_shows_the_users_traceback(tmp_path: Path) -> None:
-    broken = RECOMPILING_RECIPE.split("def loss")[0]
-    (tmp_path / "broken.py").write_text(
-        broken + "def loss(model, batch):\n    raise ValueError('my loss is broken')\n"
-    )
+    (tmp_path / "broken.py").write_text(FAULTY_RECIPE)
     spec = _spec(tmp_path, "xla", 1, recipe={"source": "broken.py", "dataset": {}})
-    result = _train(tmp_path, spec)
+    result = _train(tmp_path, spec, env={"FAULT": "raise", "FAULT_RANK": "0"})
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
-    assert "ValueError: my loss is broken" in output
+    assert "RuntimeError: boom on rank 0" in output
     assert "rank 0 failed" in output
+
+
+@needs_xla
+def test_adam_runs_hundreds_of_steps_without_a_new_graph(tmp_path: Path) -> None:
+    # Adam's bias correction 1 - 0.95**step reaches exactly 1.0 in float32 at step 325; as a
+    # Python float that would be a new constant in the graph, and a compile.
+    spec = _spec(
+        tmp_path,
+        "xla_spmd",
+        2,
+        optim={"name": "AdamW", "lr": 1e-3, "kwargs": {"betas": [0.9, 0.95]}},
+        train={"max_steps": 340, "log_every": 50},
+        checkpoint={"enabled": False},
+    )
+    result = _train(tmp_path, spec, "--strict-compile", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _summary(tmp_path / "run")["xla_compilations_after_warmup"] == 0

@@ -108,12 +108,31 @@ class Strategy(ABC):
 
         return weights_only_planner()
 
+    def optimizer_defaults(self) -> dict[str, Any]:
+        """Optimizer options this backend needs, where the optimizer has them (the user's
+        `optim.kwargs` win)."""
+        return {}
+
     def summary(self) -> dict[str, Any]:
         """Backend figures for the end of the run (summary.json and the last line)."""
         return {}
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def control_group(self) -> Any:
+        """A CPU (gloo) process group for small control messages; None: the default group."""
+        return None
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any process. Collective: every process calls it."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group())
+        return bool(value.item())
 
     def checkpoint_group(self) -> Any:
         """A process group for background checkpoint writes, apart from training's."""

@@ -42,6 +42,8 @@ class TorchDistributedStrategy(Strategy):
                 timeout=timedelta(minutes=10),
             )
         self.precision = MixedPrecision(self.precision_name, self.device.type)
+        # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
+        self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return self.precision.autocast()
@@ -68,6 +70,9 @@ class TorchDistributedStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def control_group(self) -> Any:
+        return self._control
 
     def checkpoint_group(self) -> Any:
         # gloo: DCP's async writer needs a CPU backend, and its own group keeps its

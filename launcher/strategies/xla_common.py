@@ -104,6 +104,12 @@ class XLAStrategyBase(Strategy):
             xr.initialize_cache(path, readonly=not writes_cache)
         self.device = torch_xla.device()
 
+    def optimizer_defaults(self) -> dict[str, Any]:
+        # Without it Adam's bias correction is a Python float per step; once it rounds to
+        # exactly 1.0 in float32 (step 325 with beta2 0.95) XLA bakes a new constant into the
+        # graph and compiles again. Capturable keeps the step count on the device.
+        return {"capturable": True}
+
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return self.precision.autocast()
 

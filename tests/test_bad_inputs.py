@@ -1,0 +1,162 @@
+"""A corpus of bad inputs. Each gets a short message that names the key, file or flag and says
+how to fix it; exit code 2 for bad input and 1 for a failure while running; no traceback
+(unless it is the user's own code that raised); and nothing that existed is changed."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_train, write_spec
+
+pytestmark = pytest.mark.timeout(120)
+
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+MLP = str(REPO / "recipes" / "mlp.py")
+NO_LOSS = "import torch\ndef build_model():\n    return torch.nn.Linear(2, 1)\n"
+NO_LOSS += "def build_dataset(split):\n    return []\n"
+RAISES = NO_LOSS + "def loss(model, batch):\n    return 0\n"
+RAISES = RAISES.replace("return torch.nn.Linear(2, 1)", "raise ValueError('my model is broken')")
+CORRUPT_META = b"\x80\x04not a pickle"
+
+# (id, command-line arguments after --config run.yaml, files to write, expected texts, code)
+CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
+    ("yaml-syntax", [], {"run.yaml": "run: {name: x\nrecipe: [\n"}, ["run.yaml:2"], 2),
+    ("yaml-not-a-mapping", [], {"run.yaml": "- just\n- a list\n"}, ["run.yaml"], 2),
+    ("yaml-empty", [], {"run.yaml": ""}, ["run.yaml", "recipe"], 2),
+    ("yaml-duplicate-key", [], {"run.yaml": "run: {}\nrun: {}\n"}, ["run", "duplicate"], 2),
+    (
+        "yaml-unsafe-tag",
+        [],
+        {"run.yaml": "run: !!python/object/apply:os.system ['touch pwned']\n"},
+        ["run.yaml"],
+        2,
+    ),
+    ("unknown-key", ["optim.lrr=0.1"], {}, ["optim.lrr", "did you mean 'optim.lr'"], 2),
+    ("unknown-section", ["trian.max_steps=5"], {}, ["trian", "did you mean 'train'"], 2),
+    ("wrong-type", ["optim.lr=fast"], {}, ["optim.lr", "expected a number"], 2),
+    ("out-of-range", ["optim.lr=-1"], {}, ["optim.lr", "greater than 0"], 2),
+    ("override-without-equals", ["optim.lr"], {}, ["optim.lr", "key=value"], 2),
+    ("no-step-limit", ["train.max_steps=null"], {}, ["train.max_steps", "max_epochs"], 2),
+    ("zero-steps", ["train.max_steps=0"], {}, ["train.max_steps"], 2),
+    ("bad-run-name", ["run.name=../evil"], {}, ["run.name"], 2),
+    ("bad-optimizer", ["optim.name=Adamm"], {}, ["optim.name", "AdamW"], 2),
+    ("bad-optimizer-kwarg", ["optim.kwargs={betas: [0.9, 0.9]}"], {}, ["SGD does not take"], 2),
+    ("devices-zero", ["--devices", "0"], {}, ["--devices", "positive"], 2),
+    ("devices-negative", ["--devices", "-1"], {}, ["--devices"], 2),
+    ("devices-word", ["--devices", "many"], {}, ["--devices"], 2),
+    ("gpu-without-cuda", ["--accelerator", "gpu"], {}, ["no CUDA GPU", "--accelerator cpu"], 2),
+    (
+        "more-gpus-than-there-are",
+        ["--accelerator", "gpu", "--devices", "64"],
+        {},
+        ["--accelerator gpu"],
+        2,
+    ),
+    (
+        "tpu-without-torch-xla-or-tpu",
+        ["--accelerator", "tpu", "--strategy", "xla"],
+        {},
+        ["--accelerator tpu", "no TPU is attached" if HAS_XLA else "pip install"],
+        2,
+    ),
+    ("unknown-accelerator", ["--accelerator", "quantum"], {}, ["launch.accelerator"], 2),
+    ("unknown-strategy", ["--strategy", "zero3"], {}, ["launch.strategy", "fsdp"], 2),
+    (
+        "bad-max-restarts",
+        ["--max-restarts", "-2"],
+        {},
+        ["launch.max_restarts", "--max-restarts"],
+        2,
+    ),
+    ("bad-stall-timeout", ["--stall-timeout", "soon"], {}, ["--stall-timeout"], 2),
+    ("bad-ranks", ["--ranks", "3-1"], {}, ["--ranks"], 2),
+    ("missing-recipe", ["recipe.source=missing.py"], {}, ["missing.py"], 2),
+    (
+        "recipe-syntax-error",
+        ["recipe.source=bad.py"],
+        {"bad.py": "def build_model(:\n"},
+        ["bad.py:1: invalid syntax"],
+        2,
+    ),
+    (
+        "recipe-missing-function",
+        ["recipe.source=half.py", "recipe.dataset={}"],
+        {"half.py": NO_LOSS},
+        ["half.py does not define loss"],
+        2,
+    ),
+    ("recipe-bad-argument", ["recipe.model={widht: 3}"], {}, ["recipe.model", "widht"], 2),
+    (
+        "batch-larger-than-dataset",
+        ["data.batch_size=100000"],
+        {},
+        ["data.batch_size", "lower data.batch_size"],
+        2,
+    ),
+    ("fsdp-wrap-matches-nothing", ["--strategy", "fsdp", "fsdp.wrap=[Nope]"], {}, ["fsdp.wrap"], 2),
+    ("cpu-offload-on-cpu", ["--strategy", "fsdp", "fsdp.cpu_offload=true"], {}, ["cpu_offload"], 2),
+    ("resume-missing", ["--resume", "nowhere"], {}, ["--resume nowhere: no such folder"], 2),
+    ("resume-latest-none", ["--resume", "latest"], {}, ["--resume latest", "no run"], 2),
+    (
+        "resume-corrupt",
+        ["--resume", "ckpt"],
+        {"ckpt/COMPLETE": "", "ckpt/.metadata": CORRUPT_META, "ckpt/meta.json": "{}"},
+        ["--resume ckpt", "corrupt"],
+        2,
+    ),
+    ("run-dir-unwritable", ["--run-dir", "/dev/null/run"], {}, ["--run-dir", "cannot create"], 2),
+    ("run-dir-holds-a-run", ["--run-dir", "existing"], {}, ["already holds a run", "--resume"], 2),
+    ("config-missing", ["--config", "nope.yaml"], {}, ["nope.yaml"], 2),
+    ("config-is-a-folder", ["--config", "existing"], {}, ["existing"], 2),
+    (
+        "recipe-build-model-raises",
+        ["recipe.source=raises.py", "recipe.dataset={}"],
+        {"raises.py": RAISES},
+        ["ValueError: my model is broken", "raises.py", "rank 0 failed"],
+        1,
+    ),
+]
+
+
+def _snapshot(folder: Path) -> dict[Path, str]:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("args", "files", "expected", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input(
+    tmp_path: Path, args: list[str], files: dict[str, str | bytes], expected: list[str], code: int
+) -> None:
+    write_spec(tmp_path / "run.yaml", recipe={"source": MLP}, launch={"devices": 1})
+    existing = tmp_path / "existing"
+    (existing / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (existing / "checkpoints" / "step-00000001" / "COMPLETE").write_text("")
+    (existing / "precious.txt").write_text("a user's run: never touched")
+    for name, content in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    before = _snapshot(tmp_path)
+    config = [] if "--config" in args else ["--config", "run.yaml"]
+    # As on a machine without a TPU, also where tests set PJRT_DEVICE=CPU for XLA.
+    result = run_train([*config, *args], cwd=tmp_path, timeout=90, env={"PJRT_DEVICE": "TPU"})
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output
+    for text in expected:
+        assert text in output, output
+    if code == 2:
+        assert "Traceback" not in output, output
+        assert len(output.strip().splitlines()) <= 12, output  # short
+    after = _snapshot(tmp_path)
+    assert all(after.get(p) == digest for p, digest in before.items()), "changed or deleted"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_corpus_is_big_enough() -> None:
+    assert len(CASES) >= 30
+    assert len({c[0] for c in CASES}) == len(CASES)

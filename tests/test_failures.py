@@ -1,0 +1,225 @@
+"""Failures, injected from outside the way real ones happen: a crashing rank, a hung rank, a
+rank killed by the kernel, Ctrl-C and SIGTERM to the launcher, and automatic restarts. Each
+test checks the exit code, the message, the checkpoints and that no process is left behind
+(finish_train walks the process table)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from launcher.watchdog import Watchdog
+from tests.conftest import (
+    FAULTY_RECIPE,
+    finish_train,
+    run_train,
+    start_train,
+    wait_for_step,
+    write_spec,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _spec(tmp_path: Path, **train: object) -> Path:
+    (tmp_path / "faulty.py").write_text(FAULTY_RECIPE)
+    return write_spec(
+        tmp_path / "run.yaml",
+        recipe={"source": "faulty.py", "dataset": {}},
+        train={"max_steps": 30, "log_every": 5, **train},
+        checkpoint={"every_n_steps": 1},
+    )
+
+
+def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(checkpoint, scratch)
+    return torch.load(scratch, weights_only=True)["model"]
+
+
+def test_a_crashing_rank_gets_a_root_cause_panel_and_the_others_stop(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    result = run_train(["--config", str(spec)], cwd=tmp_path, env={"FAULT": "raise"})
+    ended = time.time()
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "rank 1 failed on" in output  # the root cause, not rank 0 that lost its peer
+    assert "rank 0 failed" not in output
+    assert "how: exited with an error (exit code 1)" in output
+    assert "RuntimeError: boom on rank 1" in output
+    assert "faulty.py" in output  # the user's own frame is in the panel's traceback
+    # Every other rank is stopped at once (finish_train checks that none is left); allow
+    # for the launcher's own exit on a loaded machine.
+    assert ended - float((tmp_path / "crashed_at").read_text()) < 10
+
+
+@pytest.mark.parametrize(
+    ("fault", "sig", "words"),
+    [
+        ("segv", signal.SIGSEGV, "segmentation fault (SIGSEGV)"),
+        ("sigkill", signal.SIGKILL, "killed (SIGKILL): most often the kernel's out-of-memory"),
+    ],
+)
+def test_a_rank_killed_by_a_signal_is_the_root_cause_in_plain_words(
+    tmp_path: Path, fault: str, sig: signal.Signals, words: str
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_train(
+        ["--config", str(_spec(tmp_path)), "--run-dir", str(run_dir)],
+        tmp_path,
+        {"FAULT": "segv" if fault == "segv" else "slow"},
+    )
+    if fault == "sigkill":  # from outside, as the OOM killer does
+        os.kill(wait_for_step(run_dir, 1, 3, proc), signal.SIGKILL)
+    result = finish_train(proc, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 128 + sig, output
+    assert "rank 1 failed on" in output
+    assert words in output
+
+
+def test_the_watchdog_names_a_hung_rank_and_shows_where_it_is(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    result = run_train(
+        ["--config", str(spec), "--stall-timeout", "4"], cwd=tmp_path, env={"FAULT": "sleep"}
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "stopped: no progress for 4 s (launch.stall_timeout)" in output
+    hung = next(line for line in output.splitlines() if line.startswith("rank 1: no progress"))
+    assert "after step 3" in hung and "faulty.py" in hung and "in loss" in hung, output
+    # Its stack, from faulthandler, is in its log (and on screen).
+    assert "Current thread" in output
+
+
+def _new_run_dir(runs: Path) -> Path:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = list(runs.glob("*")) if runs.is_dir() else []
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    pytest.fail(f"no run folder appeared in {runs}")
+
+
+def _uninterrupted(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+    folder = tmp_path / "reference"
+    folder.mkdir()
+    spec = _spec(folder, max_steps=steps)
+    result = run_train(["--config", str(spec), "--run-dir", str(folder / "run")], cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return _weights(folder / "run" / "checkpoints" / f"step-{steps:08d}", tmp_path / "ref.pt")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_first_signal_saves_and_exits_then_resume_latest_is_exact(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    spec = _spec(tmp_path, max_steps=25)
+    proc = start_train(["--config", str(spec)], tmp_path, {"FAULT": "slow"})
+    run_dir = _new_run_dir(tmp_path / "runs" / "t")
+    wait_for_step(run_dir, 0, 5, proc)
+    os.kill(proc.pid, sig)
+    result = finish_train(proc, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 128 + sig, output
+    assert "every rank finishes its step and saves a checkpoint" in output
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert 5 <= int(saved[-1].split("-")[1]) < 25, saved
+    assert f"stopped by {sig.name}; saved" in output
+
+    resumed = run_train(["--config", str(spec), "--resume", "latest"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    final = _weights(run_dir / "checkpoints" / "step-00000025", tmp_path / "final.pt")
+    expected = _uninterrupted(tmp_path, 25)
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_a_second_signal_stops_everything_at_once(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, max_steps=1000)
+    run_dir = tmp_path / "run"
+    proc = start_train(
+        ["--config", str(spec), "--run-dir", str(run_dir)], tmp_path, {"FAULT": "sleep"}
+    )
+    wait_for_step(run_dir, 0, 3, proc)  # rank 1 now sleeps: a graceful stop cannot finish
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(1)
+    os.kill(proc.pid, signal.SIGINT)
+    result = finish_train(proc, tmp_path, timeout=30)
+    output = result.stdout + result.stderr
+    assert result.returncode == 130, output
+    assert "stopped at once by a second SIGINT" in output
+
+
+def test_max_restarts_recovers_from_a_killed_rank_to_the_same_weights(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, max_steps=20)
+    run_dir = tmp_path / "run"
+    proc = start_train(
+        ["--config", str(spec), "--run-dir", str(run_dir), "--max-restarts", "1"],
+        tmp_path,
+        {"FAULT": "slow"},
+    )
+    os.kill(wait_for_step(run_dir, 1, 5, proc), signal.SIGKILL)
+    result = finish_train(proc, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "attempt 2 of 2: restarted after a failure; resuming from" in output
+    final = _weights(run_dir / "checkpoints" / "step-00000020", tmp_path / "final.pt")
+    expected = _uninterrupted(tmp_path, 20)
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_rendezvous_listens_on_loopback_only_and_nothing_is_world_writable(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path, max_steps=15)
+    run_dir = tmp_path / "run"
+    proc = start_train(
+        ["--config", str(spec), "--run-dir", str(run_dir)],
+        tmp_path,
+        {"FAULT": "slow"},
+        preexec_fn=lambda: os.umask(0),  # the most permissive umask a user could have
+    )
+    wait_for_step(run_dir, 0, 2, proc)
+    listening = [
+        c.laddr.ip
+        for c in psutil.Process(proc.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    result = finish_train(proc, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert listening and set(listening) <= {"127.0.0.1"}, listening
+    for path in [run_dir, *run_dir.rglob("*")]:
+        assert not path.stat().st_mode & stat.S_IWOTH, path
+
+
+def test_the_watchdog_allows_startup_longer_and_restarts_start_over(tmp_path: Path) -> None:
+    """The watchdog on heartbeat files alone: a rank gets 3 timeouts before its first step of
+    its own (building, restoring, compiling), 1 after, and a new pid starts it over."""
+    (tmp_path / "telemetry").mkdir()
+    beat = tmp_path / "telemetry" / "rank-0.beat"
+    watchdog = Watchdog(tmp_path, range(1), timeout_s=0.4)
+
+    def write(step: int, beats: int, pid: int) -> None:
+        beat.write_text(f"{step} {beats} {pid}\n")
+        assert watchdog.check() == []
+
+    write(0, 1, 111)  # started
+    write(40, 2, 111)  # restored at step 40: not a step of its own
+    time.sleep(0.6)
+    assert watchdog.check() == []  # 0.6 s < 3 x 0.4 s: still starting up
+    write(41, 3, 111)  # a first step...
+    write(42, 4, 111)  # ...and a second: now one timeout applies
+    time.sleep(0.6)
+    [stall] = watchdog.check()
+    assert (stall.rank, stall.step) == (0, 42)
+    write(40, 1, 222)  # restarted: another process, starting up again
+    time.sleep(0.6)
+    assert watchdog.check() == []

@@ -94,7 +94,6 @@ class XLAStrategyBase(Strategy):
         self.precision = MixedPrecision(precision, "xla")
         self.options = options
         self.guard = CompileGuard(options.warmup_steps, options.strict_compile)
-        self._stepped = False
 
     def start_runtime(self, writes_cache: bool) -> None:
         """Before any XLA computation: the persistent compile cache (XLA_PERSISTENT_CACHE_PATH,
@@ -118,7 +117,6 @@ class XLAStrategyBase(Strategy):
 
     def on_step_end(self, step: int) -> None:
         torch_xla.sync()  # cut the step's graph here and run it
-        self._stepped = True
         self.guard.after_step(step)
 
     def read(self, values: torch.Tensor, then: Callable[[list[float]], None]) -> None:
@@ -146,7 +144,7 @@ class XLAStrategyBase(Strategy):
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        if self._stepped and not optimizer.state:
+        if self.guard.steps_run and not optimizer.state:
             # A stateless optimizer (SGD without momentum). get_state_dict would prime it with
             # a zero-gradient step, a new XLA graph at every save; an empty entry says there
             # is nothing to prime.

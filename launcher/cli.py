@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -26,7 +27,11 @@ Examples:
 
   train --config my_run.yaml --resume latest
 
+  train --config my_run.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29500 --rdzv-id exp42
+
   train validate --config my_run.yaml     (check a spec and its recipe, run nothing)
+
+  train slurm --config my_run.yaml --nodes 4 --gpus-per-node 8 > job.sbatch
 """
 
 
@@ -75,7 +80,8 @@ def run_command(
         str | None,
         typer.Option(
             help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
-            "or `latest` (the newest run of this run.name)."
+            "or `latest`: the newest run of this run.name; with --rdzv-id (or in SLURM), that "
+            "job's own folder, if it has a checkpoint yet."
         ),
     ] = None,
     run_dir: Annotated[
@@ -90,6 +96,38 @@ def run_command(
         typer.Option(
             help="Show only these ranks' output, e.g. 0,2-3. Warnings, errors and tracebacks "
             "of every rank are always shown."
+        ),
+    ] = None,
+    nnodes: Annotated[
+        str | None,
+        typer.Option(
+            help="Nodes in the run: N, or MIN:MAX for an elastic run. Every node runs the same "
+            "command. Inside SLURM's srun: the allocation's.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    node_rank: Annotated[
+        str | None,
+        typer.Option(
+            help="This node's rank, 0 to N-1: node K runs global ranks K*devices onwards, and "
+            "node 0 hosts the rendezvous. Inside srun: SLURM_NODEID.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST:PORT of the rendezvous on node 0, the same on every node. Inside srun: "
+            "the first node of the allocation.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    rdzv_id: Annotated[
+        str | None,
+        typer.Option(
+            help="The job's name, the same on every node; the run folder is "
+            "<run.output_dir>/<run.name>/<rdzv-id>. Inside srun: the SLURM job id.",
+            rich_help_panel="Multi-node",
         ),
     ] = None,
     strict_compile: Annotated[
@@ -108,7 +146,10 @@ def run_command(
 
     def go() -> int:
         from launcher.launch import execute
+        from launcher.nodes import resolve_nodes
         from launcher.plan import make_plan
+
+        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
 
         spec = _load(
             config,
@@ -121,7 +162,9 @@ def run_command(
             stall_timeout=stall_timeout,
         )
         _check_recipe(spec.recipe.source)  # a recipe that cannot load fails here, not per rank
-        plan = make_plan(spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug)
+        plan = make_plan(
+            spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug, nodes=nodes
+        )
         return execute(plan)
 
     raise typer.Exit(_guarded(go, debug))
@@ -139,6 +182,41 @@ def validate_command(
         spec = _load(config, overrides)
         _check_recipe(spec.recipe.source)
         err.print(f"{config}: ok")
+        return 0
+
+    raise typer.Exit(_guarded(go, debug))
+
+
+@app.command("slurm", context_settings={"allow_interspersed_args": True})
+def slurm_command(
+    config: ConfigOpt,
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes to allocate.")],
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node.")],
+    overrides: Overrides = None,
+    partition: Annotated[str | None, typer.Option(help="#SBATCH --partition.")] = None,
+    time: Annotated[str | None, typer.Option(help="#SBATCH --time, e.g. 24:00:00.")] = None,
+    account: Annotated[str | None, typer.Option(help="#SBATCH --account.")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Print an sbatch script that runs this spec on a SLURM cluster and requeues itself when
+    preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
+
+    def go() -> int:
+        from launcher.slurm import sbatch_script
+
+        spec = _load(config, overrides)
+        _check_recipe(spec.recipe.source)
+        script = sbatch_script(
+            str(config),
+            nodes,
+            gpus_per_node,
+            spec.run.name,
+            partition=partition,
+            time=time,
+            account=account,
+            extra_args=list(overrides or []),
+        )
+        sys.stdout.write(script)
         return 0
 
     raise typer.Exit(_guarded(go, debug))

@@ -57,6 +57,23 @@ def last_traceback(log: str) -> str | None:
     return "\n".join(lines)
 
 
+# What a rank says when a peer on another node is gone (gloo, NCCL, the TCP store).
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
+    r"|NCCL communicator was aborted|failed to recv, got 0 bytes"
+)
+
+
+def peer_lost(log_file: Path) -> bool:
+    """Whether a rank failed because a peer went away, not by itself."""
+    try:
+        log = log_file.read_text(errors="replace")
+    except OSError:
+        return False
+    detail = last_traceback(log) or ""
+    return bool(_PEER_LOST.search(detail))
+
+
 def _error_line(log: str) -> str | None:
     found = [line for line in log.splitlines() if line.startswith("error: ")]
     return found[-1] if found else None

@@ -29,12 +29,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from launcher import checkpoint, rendezvous
 from launcher.display import RunDisplay
 from launcher.errors import RunError, UsageError
-from launcher.failure_report import failure_panel
+from launcher.failure_report import failure_panel, peer_lost
 from launcher.plan import LaunchPlan
 from launcher.ranks import format_ranks
 from launcher.spec_loader import spec_to_yaml
 from launcher.strategies import strategy_info
-from launcher.telemetry import STOP_FILE
+from launcher.telemetry import STOP_FILE, beat_path
 from launcher.watchdog import Stall, Watchdog
 from launcher.watchdog import describe as describe_stall
 
@@ -47,28 +47,14 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     # launcher or its workers, who inherit this) is writable by other users.
     os.umask(os.umask(0) | 0o002)
     spec_file = prepare_run_dir(plan)
-    # Left by an earlier attempt in this folder: its stop request and its heartbeats.
+    # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
+    # Every node removes it before it joins, so never after the run has started.
     (plan.run_dir / STOP_FILE).unlink(missing_ok=True)
-    for beat in (plan.run_dir / "telemetry").glob("*.beat"):
-        beat.unlink(missing_ok=True)
     console = console or Console()
     _quiet_elastic(plan.debug)
     os.environ.update(plan.worker_env())  # the elastic agent passes its environment on
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=plan.nproc,
-        run_id=f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}",
-        # c10d's rendezvous, on stores that listen on loopback only, each on a free port of
-        # its own (so two runs never race for one); the workers' MASTER_ADDR is loopback too.
-        rdzv_backend=rendezvous.register(),
-        rdzv_endpoint=f"{rendezvous.LOOPBACK}:0",
-        local_addr=rendezvous.LOOPBACK,
-        max_restarts=plan.spec.launch.max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(plan.run_dir / ".elastic")),
-    )
+    view = _NodeView(plan, console)
+    config = _launch_config(plan, view)
     args = [
         "-u",
         "-m",
@@ -93,14 +79,11 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
         highlight=False,
         soft_wrap=True,
     )
-    ranks = range(plan.devices.replica_logs)
-    display = RunDisplay(
-        plan.run_dir, ranks=ranks, show=plan.show_ranks, console=console, title=plan.spec.run.name
-    )
+    if plan.nodes.multi:
+        console.print(plan.nodes.describe(), highlight=False, soft_wrap=True)
     agent = _Agent(config, args)
-    watchdog = Watchdog(plan.run_dir, ranks, plan.spec.launch.stall_timeout)
     stalls: list[Stall] = []
-    with display, _Signals() as signals:
+    with view, _Signals() as signals:
         agent.start()
         while agent.is_alive():
             agent.join(0.2)
@@ -113,7 +96,7 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
                     "press Ctrl-C again to stop at once",
                     style="yellow",
                 )
-            if signals.received >= 2 or (stalls := watchdog.check()):
+            if signals.received >= 2 or (stalls := view.stalls()):
                 _kill_workers()
                 break
     if signals.received >= 2:
@@ -129,25 +112,118 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
         console.print(f"stopped by {agent.error.sigval.name}; logs in {plan.run_dir / 'logs'}")
         return SIGNAL_EXIT.get(agent.error.sigval.name, 1)
     if agent.error is not None:  # the rendezvous or the agent itself, not a worker
+        _explain_rendezvous_error(agent.error, plan)
         raise RunError(
             f"torch.distributed.elastic failed: {type(agent.error).__name__}: {agent.error}",
             hint="Run again with --debug to see its traceback and logs.",
         ) from agent.error
-    if signals.received:
+    # A stop asked for elsewhere: a worker's own SIGTERM (SLURM signals every process), or
+    # another node's Ctrl-C when the nodes share the run folder.
+    asked_elsewhere = not signals.received and (plan.run_dir / STOP_FILE).exists()
+    if signals.received or asked_elsewhere:
         latest = checkpoint.latest_complete(plan.run_dir)
+        resume = "latest" if plan.nodes.job_id else str(plan.run_dir)
         console.print(
-            f"stopped by {signals.name}"
+            (f"stopped by {signals.name}" if signals.received else "stopped on request")
             + (
-                f"; saved {latest}. Continue with: --resume {plan.run_dir}"
+                f"; saved {latest}. Continue with: --resume {resume}"
                 if latest
                 else " (checkpoints are off: nothing to resume)"
             ),
             highlight=False,
             soft_wrap=True,
         )
-        return SIGNAL_EXIT.get(signals.name, 1)
+        return SIGNAL_EXIT.get(signals.name, 1) if signals.received else 0
     console.print(f"finished: {plan.run_dir}", highlight=False, soft_wrap=True)
     return 0
+
+
+def _launch_config(plan: LaunchPlan, view: _NodeView) -> LaunchConfig:
+    nodes = plan.nodes
+    node = rendezvous.NodeConfig(
+        nproc=plan.nproc,
+        node_rank=nodes.node_rank,
+        loopback=not nodes.multi,
+        on_round=view.follow,
+    )
+    local = not nodes.multi or nodes.is_local
+    return LaunchConfig(
+        min_nodes=nodes.min,
+        max_nodes=nodes.max,
+        nproc_per_node=plan.nproc,
+        # The same on every node; a single node's own, so that two runs never share one.
+        run_id=nodes.job_id if nodes.multi else f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=rendezvous.register(),
+        # One node: c10d's rendezvous on stores that listen on loopback only, each on a free
+        # port of its own (so two runs never race for one).
+        rdzv_endpoint=nodes.endpoint if nodes.multi else f"{rendezvous.LOOPBACK}:0",
+        rdzv_configs=node.rdzv_configs(),
+        # The address the other nodes reach this one at: the workers' MASTER_ADDR on node 0.
+        local_addr=rendezvous.LOOPBACK if local else None,
+        max_restarts=plan.spec.launch.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(node_dir(plan) / "elastic")),
+    )
+
+
+def node_dir(plan: LaunchPlan) -> Path:
+    """This node's own files in the run folder (shared by every node on shared storage)."""
+    return plan.run_dir / "nodes" / plan.nodes.name if plan.nodes.multi else plan.run_dir
+
+
+class _NodeView:
+    """The display and the hang watchdog of this node's ranks. Which global ranks those are
+    is known once a rendezvous round gives the node its group rank, and may change from one
+    round to the next in an elastic run; `follow` is called before each round's workers."""
+
+    def __init__(self, plan: LaunchPlan, console: Console) -> None:
+        self.plan, self.console = plan, console
+        self.ranks: range | None = None
+        self._display: RunDisplay | None = None
+        self._watchdog: Watchdog | None = None
+        self._lock = threading.Lock()
+
+    def follow(self, round: rendezvous.Round) -> None:
+        plan = self.plan
+        first = round.group_rank * plan.devices.replica_logs + plan.rank_offset
+        ranks = range(first, first + plan.devices.replica_logs)
+        # Left by an earlier attempt: a stale heartbeat would look like a stalled rank.
+        for rank in ranks:
+            beat_path(plan.run_dir, rank).unlink(missing_ok=True)
+        with self._lock:
+            self._watchdog = Watchdog(plan.run_dir, ranks, plan.spec.launch.stall_timeout)
+            if ranks == self.ranks:
+                return
+            if self._display is not None:
+                self._display.stop()
+            if plan.nodes.multi:
+                self.console.print(
+                    f"node {round.group_rank} of {round.nodes} ({socket.gethostname()}): "
+                    f"ranks {format_ranks(ranks)} of {round.nodes * len(ranks)}",
+                    highlight=False,
+                )
+            self.ranks = ranks
+            self._display = RunDisplay(
+                plan.run_dir,
+                ranks=ranks,
+                show=plan.show_ranks,
+                console=self.console,
+                title=plan.spec.run.name,
+            )
+            self._display.start()
+
+    def stalls(self) -> list[Stall]:
+        with self._lock:
+            return self._watchdog.check() if self._watchdog else []
+
+    def __enter__(self) -> _NodeView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            if self._display is not None:
+                self._display.stop()
 
 
 class _Agent(threading.Thread):
@@ -208,33 +284,61 @@ def _kill_workers() -> None:
 
 
 def prepare_run_dir(plan: LaunchPlan) -> Path:
-    """Creates the run folder (never world-writable) and saves the resolved spec into it."""
-    # A new run claims its folder atomically: two launches never share one.
-    fresh = plan.resume_from is None and not (
-        plan.run_dir.is_dir() and not any(plan.run_dir.iterdir())
+    """Creates the run folder (never world-writable) and saves the resolved spec into it;
+    returns the spec file this node's workers read."""
+    # A new run claims its folder atomically: two launches never share one. The nodes of a
+    # job share theirs, which whichever comes first creates.
+    fresh = (
+        plan.resume_from is None
+        and plan.nodes.job_id is None
+        and not (plan.run_dir.is_dir() and not any(plan.run_dir.iterdir()))
     )
     try:
         plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
         (plan.run_dir / "logs").mkdir(exist_ok=True)
+        node_dir(plan).mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise UsageError(f"--run-dir {plan.run_dir}: appeared while starting; run again") from None
     except OSError as exc:
         raise UsageError(f"--run-dir {plan.run_dir}: cannot create it ({exc.strerror})") from None
     if not os.access(plan.run_dir, os.W_OK):
         raise UsageError(f"--run-dir {plan.run_dir}: not writable")
-    spec_file = plan.run_dir / "spec.yaml"
-    if spec_file.exists():
-        # A resumed run keeps the spec it started with; this attempt's goes beside it.
-        n = len(list(plan.run_dir.glob("spec.resume-*.yaml"))) + 1
-        spec_file = plan.run_dir / f"spec.resume-{n}.yaml"
-    spec_file.write_text(spec_to_yaml(plan.spec))
-    return spec_file
+    text = spec_to_yaml(plan.spec)
+    if plan.nodes.node_rank in (0, None) and not (plan.nodes.multi and plan.nodes.elastic):
+        spec_file = plan.run_dir / "spec.yaml"
+        if spec_file.exists():
+            # A resumed run keeps the spec it started with; this attempt's goes beside it.
+            n = len(list(plan.run_dir.glob("spec.resume-*.yaml"))) + 1
+            spec_file = plan.run_dir / f"spec.resume-{n}.yaml"
+        _write_atomic(spec_file, text)
+    if not plan.nodes.multi:
+        return spec_file
+    # Every node's workers read their own node's copy: it is there with or without storage
+    # that the nodes share, and no node ever reads a file another is writing.
+    _write_atomic(node_dir(plan) / "spec.yaml", text)
+    return node_dir(plan) / "spec.yaml"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) -> int:
     rank, failure = root_cause(exc.failures, plan.run_dir)
     code = failure.exitcode
     log = plan.run_dir / "logs" / f"rank-{rank}.log"
+    if plan.nodes.multi and peer_lost(log):
+        console.print(
+            Text("lost another node: ", style="bold red")
+            + Text(
+                f"rank {rank} on this node lost its connection to ranks on another node. The "
+                "cause is most likely there: see that node's output (on shared storage, its "
+                f"ranks' logs are in {plan.run_dir / 'logs'})."
+            ),
+            soft_wrap=True,
+        )
     console.print(failure_panel(rank, socket.gethostname(), code, log))
     others = sorted(set(exc.failures) - {rank})
     failed = [r for r in others if exc.failures[r].exitcode > 0]
@@ -250,6 +354,35 @@ def _report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) -
         console.print(f"gave up after {plan.spec.launch.max_restarts} restart(s)")
     # A worker's own usage error (exit 2) is still the user's input to fix.
     return code if code in (1, 2) else (128 - code if code < 0 else 1)
+
+
+def _explain_rendezvous_error(error: BaseException, plan: LaunchPlan) -> None:
+    """Rendezvous failures in the words of the flags that set them up."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    nodes = plan.nodes
+    if isinstance(error, rendezvous.NodeMismatch):
+        raise UsageError(f"the nodes of job {nodes.job_id} do not match: {error}") from error
+    if isinstance(error, RendezvousTimeoutError) and nodes.multi:
+        raise RunError(
+            f"gave up waiting for {nodes.min} nodes at {nodes.endpoint} (job {nodes.job_id})",
+            hint="Start the missing nodes with the same command (after a failure, with "
+            "--resume latest), or check that they reach the endpoint.",
+        ) from error
+    if isinstance(error, RendezvousConnectionError) and nodes.multi:
+        hosting = nodes.node_rank == 0
+        raise RunError(
+            f"--rdzv-endpoint {nodes.endpoint}: "
+            + ("node 0 cannot host the rendezvous there" if hosting else "cannot reach it")
+            + f" ({error.__cause__ or error})",
+            hint="Choose a port that is free on node 0, the same on every node."
+            if hosting
+            else "Start node 0 (--node-rank 0) on that host, and check that the port is open "
+            "between the nodes.",
+        ) from error
 
 
 def _report_stall(stalls: list[Stall], plan: LaunchPlan, console: Console) -> int:

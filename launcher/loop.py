@@ -43,6 +43,9 @@ class Trainer:
         self.telemetry = Telemetry(self.run_dir, strategy.rank, strategy.is_main, self.attempt)
         self.telemetry.progress(0)
         strategy.seed(spec.run.seed)
+        # Where to start is rank 0's call: a node started again after a failure, and the
+        # nodes that restarted their workers, may each have seen a different newest checkpoint.
+        resume_from = strategy.from_main(resume_from)
         rss_before_build = memory.rss_bytes()
         self.model = strategy.build_model(
             lambda: self.recipe.build_model(**spec.recipe.model),

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import checkpoint
 from launcher.checkpoint_format import read_metadata
 from launcher.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.errors import UsageError
+from launcher.nodes import Nodes
 from launcher.ranks import parse_ranks
 from launcher.spec import RunSpec
 from launcher.strategies import strategy_info, worker_env
+from launcher.tpu_pod import host_index
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class LaunchPlan:
     omp_threads: int
     debug: bool = False
     notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
+    host_index: int = 0  # a TPU pod's host: its processes' ranks come after the hosts before it
+    nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
 
     @property
     def nproc(self) -> int:
@@ -47,7 +51,15 @@ class LaunchPlan:
         if self.accelerator == "tpu" and self.spec.xla.compile_cache and xla_device_type() == "TPU":
             env["XLA_PERSISTENT_CACHE_PATH"] = str(self.run_dir / "xla_cache")
         env = {k: os.environ.get(k, v) for k, v in env.items()}
+        if self.host_index:
+            env["LAUNCHER_RANK_OFFSET"] = str(self.rank_offset)
         return env | self.devices.env  # the device count is the plan's, not a leftover's
+
+    @property
+    def rank_offset(self) -> int:
+        """The global rank of this host's first log on a TPU pod (torch_xla numbers hosts'
+        devices one host after the other); 0 elsewhere."""
+        return self.host_index * self.devices.replica_logs
 
 
 def make_plan(
@@ -57,8 +69,14 @@ def make_plan(
     resume: str | None = None,
     ranks: str | None = None,
     debug: bool = False,
+    nodes: Nodes | None = None,
 ) -> LaunchPlan:
+    nodes = nodes or Nodes()
+    if nodes.multi and spec.launch.accelerator == "tpu":
+        _refuse_tpu_nodes(nodes)
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
+    if nodes.multi and accelerator == "tpu":
+        _refuse_tpu_nodes(nodes)
     if spec.launch.strategy == "fsdp" and spec.fsdp.cpu_offload and accelerator != "gpu":
         raise UsageError(
             "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "
@@ -85,10 +103,45 @@ def make_plan(
             "data.drop_last=false is ignored on TPU: a short last batch would be a new shape, "
             "and XLA would compile the whole step again for it"
         )
+    on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
     output_dir = Path(spec.run.output_dir)
-    resume_from = checkpoint.resolve_resume(resume, output_dir, spec.run.name) if resume else None
-    if resume_from is not None:
-        read_metadata(resume_from)  # a corrupt checkpoint is refused here, before any process
+    if nodes.job_id is not None:
+        run_dir, resume_from = _job_run(nodes.job_id, output_dir, spec.run.name, run_dir, resume)
+    else:
+        run_dir, resume_from = _own_run(output_dir, spec.run.name, run_dir, resume)
+    try:
+        show = parse_ranks(ranks) if ranks else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return LaunchPlan(
+        spec=spec,
+        run_dir=run_dir,
+        accelerator=accelerator,
+        devices=devices,
+        resume_from=resume_from,
+        show_ranks=show,
+        omp_threads=_omp_threads(accelerator, devices.processes),
+        debug=debug,
+        notes=tuple(notes),
+        host_index=host_index(os.environ) if on_tpu else 0,
+        nodes=nodes,
+    )
+
+
+def _refuse_tpu_nodes(nodes: Nodes) -> None:
+    raise UsageError(
+        f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
+        "same train command, without --nnodes, on every host of the pod",
+        hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
+        "(README: TPU pods).",
+    )
+
+
+def _own_run(
+    output_dir: Path, name: str, run_dir: Path | None, resume: str | None
+) -> tuple[Path, Path | None]:
+    """A run of one launcher: a new folder, or the folder of the run it resumes."""
+    resume_from = _resume_point(resume, output_dir, name)
     explicit = run_dir is not None
     if run_dir is None:
         # A resumed run continues in its own folder; a new run, or one resumed from a
@@ -97,7 +150,7 @@ def make_plan(
         run_dir = (
             resume_from.parent.parent  # type: ignore[union-attr]
             if in_a_run
-            else _new_run_dir(output_dir, spec.run.name)
+            else _new_run_dir(output_dir, name)
         )
     newest = checkpoint.latest_complete(run_dir)
     # Writing into a folder that holds a run is safe only when this run continues exactly
@@ -114,21 +167,36 @@ def make_plan(
             f"--run-dir {run_dir}: already holds a run; it is never overwritten",
             hint=f"Continue it with --resume {newest or run_dir}, or choose a new --run-dir.",
         )
-    try:
-        show = parse_ranks(ranks) if ranks else None
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return LaunchPlan(
-        spec=spec,
-        run_dir=run_dir,
-        accelerator=accelerator,
-        devices=devices,
-        resume_from=resume_from,
-        show_ranks=show,
-        omp_threads=_omp_threads(accelerator, devices.processes),
-        debug=debug,
-        notes=tuple(notes),
-    )
+    return run_dir, resume_from
+
+
+def _job_run(
+    job_id: str, output_dir: Path, name: str, run_dir: Path | None, resume: str | None
+) -> tuple[Path, Path | None]:
+    """A run with a job id (`--rdzv-id`, a SLURM job): every node, and a requeued or
+    restarted node, finds the same folder, <output_dir>/<name>/<job id>. Nodes join it while
+    it has no checkpoint; once it has one, a node must say --resume to continue it."""
+    run_dir = run_dir or output_dir / name / job_id
+    newest = checkpoint.latest_complete(run_dir)
+    if resume == "latest":
+        # The job's own newest checkpoint, or none yet: a requeued job that was stopped
+        # before its first save starts over, in its own folder.
+        return run_dir, newest
+    resume_from = _resume_point(resume, output_dir, name)
+    if newest is not None and newest != resume_from:
+        raise UsageError(
+            f"run folder {run_dir} (job {job_id}) already has checkpoints; it is never overwritten",
+            hint="Continue it with --resume latest on every node, or use another --rdzv-id.",
+        )
+    return run_dir, resume_from
+
+
+def _resume_point(resume: str | None, output_dir: Path, name: str) -> Path | None:
+    if resume is None:
+        return None
+    resume_from = checkpoint.resolve_resume(resume, output_dir, name)
+    read_metadata(resume_from)  # a corrupt checkpoint is refused here, before any process
+    return resume_from
 
 
 def _omp_threads(accelerator: str, nproc: int) -> int:

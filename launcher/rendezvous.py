@@ -1,21 +1,59 @@
-"""A single-node rendezvous that listens on loopback only.
+"""The rendezvous: torch.distributed.elastic's c10d rendezvous, registered with three changes.
 
-torch.distributed.elastic's c10d rendezvous binds its TCP stores (the rendezvous's own, and
-the one it shares with the workers) on every interface, even when the endpoint says
-127.0.0.1: on a shared machine anyone on the network could then reach them. This is that
-same rendezvous, registered under a name of its own, with both stores created on sockets
-bound to 127.0.0.1 (TCPStore's `master_listen_fd`).
+1. One node listens on loopback only. torch's c10d rendezvous binds its TCP stores (its own,
+   and the one the workers bootstrap from) on every interface, even when the endpoint says
+   127.0.0.1: on a shared machine anyone on the network could reach them. For one node both
+   stores are created on sockets bound to 127.0.0.1 (TCPStore's `master_listen_fd`).
+2. Every round gets a fresh worker store: a restarted group must not read the addresses that
+   its dead predecessors left in the old one (gloo then connects to a closed port).
+3. Several nodes with a fixed count take their group rank from `--node-rank`, so node K
+   always runs global ranks K*nproc...: c10d alone orders nodes by host name and pid. After
+   each round the nodes check through the rendezvous store that their node ranks are
+   distinct and that each runs as many processes, and say which node is wrong if not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-NAME = "launcher-loopback"
+NAME = "launcher"
 LOOPBACK = "127.0.0.1"
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+class NodeMismatch(RuntimeError):
+    """The nodes that joined do not make one run (same node rank twice, unequal sizes)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """What this node learned from one rendezvous round."""
+
+    group_rank: int  # this node's rank among the nodes
+    nodes: int  # nodes in this round
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """This node's part in the rendezvous, passed through LaunchConfig.rdzv_configs."""
+
+    nproc: int  # worker processes on this node: every node must run as many
+    node_rank: int | None = None  # group rank to take (a fixed node count), or c10d's order
+    loopback: bool = True  # a single node: stores on 127.0.0.1 only
+    on_round: Callable[[Round], None] | None = None  # told before the workers start
+
+    def rdzv_configs(self) -> dict[str, Any]:
+        configs: dict[str, Any] = {"launcher_node": self}
+        if not self.loopback and self.node_rank is not None:
+            # Node 0 hosts the rendezvous store; without this every node whose address
+            # matches the endpoint (all of them, on one test machine) would try to.
+            configs["is_host"] = self.node_rank == 0
+        return configs
 
 
 def loopback_store(timeout_s: float = 60) -> Any:
@@ -38,30 +76,72 @@ def loopback_store(timeout_s: float = 60) -> Any:
 
 
 def _create_handler(params: Any) -> Any:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    class LoopbackBackend(C10dRendezvousBackend):
+    node: NodeConfig = params.config.pop("launcher_node", None) or NodeConfig(nproc=1)
+
+    class Backend(c10d_rendezvous_backend.C10dRendezvousBackend):
         @property
         def name(self) -> str:  # the registry checks that the handler is the one it asked for
             return NAME
 
-    store = loopback_store(params.get_as_int("read_timeout", 60))
-    handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
-    # The store the workers bootstrap from (MASTER_ADDR:MASTER_PORT) is made by this method.
-    handler._create_tcp_store_server = lambda addr, port: loopback_store()
-    first_round = handler.next_rendezvous
+    if node.loopback:
+        store = loopback_store(params.get_as_int("read_timeout", 60))
+    else:
+        _, store = c10d_rendezvous_backend.create_backend(params)
+    handler = create_handler(store, Backend(store, params.run_id), params)
+    if node.loopback:
+        # The store the workers bootstrap from (MASTER_ADDR:MASTER_PORT) is made by this.
+        handler._create_tcp_store_server = lambda addr, port: loopback_store()
+    join = handler.next_rendezvous
 
     def next_round() -> Any:
-        # A fresh worker store for every round: a restarted group must not read the
-        # addresses that its dead predecessors left in the old one (gloo then connects to a
-        # closed port and fails the restart).
         handler._bootstrap_store_info = None
         handler._shared_tcp_store_server = None
-        return first_round()
+        info = join()
+        group_rank = _check_nodes(info, node)
+        if group_rank != info.rank:
+            info = type(info)(info.store, group_rank, info.world_size, info.bootstrap_store_info)
+        if node.on_round is not None:
+            node.on_round(Round(group_rank, info.world_size))
+        return info
 
     handler.next_rendezvous = next_round
     return handler
+
+
+def _check_nodes(info: Any, node: NodeConfig) -> int:
+    """This node's group rank, after checking with every other node of the round."""
+    if info.world_size == 1:
+        return 0
+    store, me = info.store, info.rank
+    # The store is this round's own (prefixed by the round), so keys never go stale.
+    store.set(f"launcher/node/{me}", f"{node.node_rank} {node.nproc} {socket.gethostname()}")
+    peers = [store.get(f"launcher/node/{r}").decode().split(" ", 2) for r in range(info.world_size)]
+    sizes = {int(nproc) for _, nproc, _ in peers}
+    if len(sizes) > 1:
+        listing = ", ".join(
+            f"{host}{'' if rank == 'None' else f' (node {rank})'}: {nproc}"
+            for rank, nproc, host in peers
+        )
+        raise NodeMismatch(
+            f"the nodes run different numbers of processes ({listing}); every node must "
+            "run the same --devices"
+        )
+    if node.node_rank is None:
+        return me
+    taken: dict[int, str] = {}
+    for rank, _, host in peers:
+        if rank == "None":
+            raise NodeMismatch(f"{host} gave no --node-rank, but this node did; give all or none")
+        if int(rank) in taken:
+            raise NodeMismatch(
+                f"--node-rank {rank}: taken by both {taken[int(rank)]} and {host}; give each "
+                f"node its own, 0 to {info.world_size - 1}"
+            )
+        taken[int(rank)] = host
+    return node.node_rank
 
 
 def register() -> str:

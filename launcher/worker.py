@@ -6,15 +6,23 @@ file, so that output from C/C++ code lands there too and the launcher can follow
 
 With `--xla-spawn`, the worker instead starts the replicas itself through torch_xla's spawn
 (one per TPU device, or just one), and each replica redirects its own output the same way.
+
+A SIGTERM from anyone but the launcher (SLURM preemption and scancel signal every process of
+the job) asks for the same graceful stop as the launcher's stop file; see stop_on_outside_sigterm.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
+from typing import NoReturn
+
+from launcher.telemetry import STOP_FILE
 
 
 def redirect_output(log_file: Path) -> None:
@@ -66,6 +74,71 @@ def dump_stacks_on_request() -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
+_sigterm_lock = threading.Lock()
+_sigterm_taken = False
+
+
+def stop_on_outside_sigterm(run_dir: Path, launcher_pid: int) -> None:
+    """A SIGTERM from outside (slurmstepd on preemption or scancel signals every process of
+    the job step, workers included) touches the stop file, so that every rank finishes its
+    step and saves, as when the launcher asks. A SIGTERM from the launcher (its elastic agent
+    stops the workers because a peer failed: a graceful stop would hang in a collective with
+    the dead peer) or from this process's parent, or a second one, ends it at once by
+    signal 15, as before.
+
+    Python's signal handlers are not told who sent a signal; sigwaitinfo is. So SIGTERM stays
+    blocked in every thread and one thread takes it. Call this before any other thread
+    starts: a thread inherits the mask of the thread that started it.
+    """
+    global _sigterm_taken
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: SIGTERM keeps its default action
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    with _sigterm_lock:  # XLA replicas can call this from a thread per device
+        if _sigterm_taken:
+            return
+        _sigterm_taken = True
+    _start_sigterm_thread(run_dir, launcher_pid, quiet=False)
+    # A forked child (a DataLoader worker) inherits the blocked mask but not the thread: it
+    # gets its own. Quiet: its training process got the same signal and says so. It must not
+    # simply die either: under SLURM its death would fail the training process's loader
+    # ("DataLoader worker ... is killed by signal: Terminated") before the checkpoint is saved.
+    os.register_at_fork(
+        after_in_child=lambda: _start_sigterm_thread(run_dir, launcher_pid, quiet=True)
+    )
+
+
+def _start_sigterm_thread(run_dir: Path, launcher_pid: int, quiet: bool) -> None:
+    def take() -> None:
+        stopping = False
+        while True:
+            sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+            if stopping or sender in (launcher_pid, os.getppid()):
+                _die_by_sigterm()
+            try:
+                (run_dir / STOP_FILE).touch()
+            except OSError:  # no way to ask the others: stop as if it were the launcher's
+                _die_by_sigterm()
+            stopping = True
+            if not quiet:
+                print(
+                    f"SIGTERM from pid {sender} (not the launcher): "
+                    "finishing this step, saving and stopping",
+                    flush=True,
+                )
+
+    threading.Thread(target=take, name="sigterm", daemon=True).start()
+
+
+def _die_by_sigterm() -> NoReturn:
+    # raise() signals this thread alone, which no longer blocks it, so the other threads'
+    # masks cannot hold it off; the default action ends the process by signal 15, which the
+    # agent and the launcher's failure report understand.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.raise_signal(signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # someone installed a SIGTERM handler, and it returned
+
+
 def resume_point(run_dir: Path, requested: Path | None) -> Path | None:
     """Where this attempt starts: after a restart, the run's latest complete checkpoint."""
     from launcher.checkpoint import latest_complete
@@ -83,8 +156,12 @@ def resume_point(run_dir: Path, requested: Path | None) -> Path | None:
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     args = _parse(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    # On a TPU pod every host's agent numbers its processes from 0: the launcher says where
+    # this host's ranks start.
+    rank = int(os.environ.get("RANK", "0")) + int(os.environ.get("LAUNCHER_RANK_OFFSET", "0"))
     redirect_output(args.run_dir / "logs" / f"rank-{rank}.log")
+    # Before torch starts threads of its own. The worker's parent is the launcher.
+    stop_on_outside_sigterm(args.run_dir, os.getppid())
     dump_stacks_on_request()
     code = _xla_spawn(args) if args.xla_spawn else _train(args)
     sys.stdout.flush()
@@ -97,21 +174,33 @@ def main(argv: list[str] | None = None) -> None:
 def _xla_spawn(args: argparse.Namespace) -> int:
     import torch_xla.distributed.xla_multiprocessing as xmp
 
+    if args.xla_spawn == "all":
+        # Replicas are spawned processes, born with this thread's signal mask. Starting
+        # multiprocessing's resource tracker unblocks SIGTERM in the thread that starts it
+        # (CPython before 3.12.9/3.13.2, gh-127586): start it now, then block SIGTERM again.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         # Replicas that fail end their own process with their exit code (see _spawned).
-        xmp.spawn(_spawned, args=(args,), nprocs=1 if args.xla_spawn == "1" else None)
+        xmp.spawn(_spawned, args=(args, os.getppid()), nprocs=1 if args.xla_spawn == "1" else None)
     except Exception as exc:  # a replica died: its own log holds its traceback
         print(f"error: a replica failed ({type(exc).__name__}); see its log", file=sys.stderr)
         return 1
     return 0
 
 
-def _spawned(index: int, args: argparse.Namespace) -> None:
+def _spawned(index: int, args: argparse.Namespace, launcher_pid: int) -> None:
     """One replica started by torch_xla's spawn (with `nprocs=1`, in this same process)."""
     import torch_xla.runtime as xr
 
     die_with_parent()
     redirect_output(args.run_dir / "logs" / f"rank-{xr.global_ordinal()}.log")
+    # A spawned replica inherits SIGTERM blocked but no thread to take it. The agent's SIGTERM
+    # reaches it too (it signals the worker's process group), from the launcher, which is
+    # not the replica's parent.
+    stop_on_outside_sigterm(args.run_dir, launcher_pid)
     dump_stacks_on_request()
     code = _train(args)
     if code:

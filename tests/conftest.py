@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A recipe that misbehaves on demand: $FAULT at micro-step $FAULT_AT (default 4) of rank
 # $FAULT_RANK (default 1): raise, sleep (hang), segv; or slow (every step sleeps 0.1 s), or
-# shrink (every rank, from that step on, drops one sample: a new shape).
+# shrink (every rank, from that step on, drops one sample: a new shape). FAULT_OTHERS=sleep:
+# the other ranks sleep in that micro-step, outside any collective.
 FAULTY_RECIPE = """
 import ctypes, os, time
 import torch
@@ -47,6 +48,8 @@ def loss(model, batch):
         time.sleep(0.1)
     if FAULT == "shrink" and calls >= AT:
         x, y = x[:-1], y[:-1]
+    if calls == AT and not HERE and os.environ.get("FAULT_OTHERS") == "sleep":
+        time.sleep(3600)
     if calls == AT and HERE:
         if FAULT == "raise":
             with open("crashed_at", "w") as f:

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from launcher.checkpoint import MARKER, latest_complete, resolve_resume
 from launcher.errors import UsageError
+from launcher.nodes import Nodes
 from launcher.plan import make_plan
 from launcher.spec import RunSpec
 
@@ -85,3 +86,27 @@ def test_new_runs_get_new_folders_and_cpu_threads_are_shared(tmp_path: Path, mon
     assert plan.nproc == 2 and plan.accelerator == "cpu"
     assert plan.omp_threads == max(1, (os.cpu_count() or 1) // 2)
     assert make_plan(_spec(tmp_path, devices="auto")).nproc == 1
+
+
+def test_a_jobs_nodes_share_a_folder_named_after_it_and_resume_only_when_asked(
+    tmp_path: Path,
+) -> None:
+    job = Nodes(2, 2, 1, "node01:29500", "exp42")
+    folder = tmp_path / "runs" / "exp" / "exp42"
+    # The first node to start creates it; the others join it while it has no checkpoint.
+    plan = make_plan(_spec(tmp_path), nodes=job)
+    assert plan.run_dir == folder and plan.resume_from is None
+    (folder / "logs").mkdir(parents=True)
+    assert make_plan(_spec(tmp_path), nodes=job).run_dir == folder
+    # A requeued job stopped before its first save: --resume latest starts it over, there.
+    assert make_plan(_spec(tmp_path), nodes=job, resume="latest").resume_from is None
+    # Once it has a checkpoint, starting it over would overwrite it: resume, or a new id.
+    newest = _checkpoint(folder, 40)
+    with pytest.raises(UsageError, match=r"\(job exp42\) already has checkpoints"):
+        make_plan(_spec(tmp_path), nodes=job)
+    resumed = make_plan(_spec(tmp_path), nodes=job, resume="latest")
+    assert (resumed.run_dir, resumed.resume_from) == (folder, newest)
+    # `latest` is this job's own: another run of the same name is not it.
+    _checkpoint(tmp_path / "runs" / "exp" / "other", 99)
+    os.utime(tmp_path / "runs" / "exp" / "other", (2e9, 2e9))
+    assert make_plan(_spec(tmp_path), nodes=job, resume="latest").resume_from == newest

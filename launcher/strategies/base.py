@@ -134,6 +134,16 @@ class Strategy(ABC):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group())
         return bool(value.item())
 
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's `value` on every process (picklable). Collective: every process calls it."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.control_group())
+        return box[0]
+
     def checkpoint_group(self) -> Any:
         """A process group for background checkpoint writes, apart from training's."""
         return None

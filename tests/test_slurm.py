@@ -1,0 +1,225 @@
+"""SLURM: compressed host lists, the allocation's environment, and the sbatch script."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher.errors import UsageError
+from launcher.nodes import Nodes, resolve_nodes
+from launcher.slurm import check_one_task_per_node, expand_hostlist, from_environment, sbatch_script
+from tests.conftest import REPO, finish_train, run_train, start_train, write_spec
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "hosts"),
+    [
+        ("node07", ["node07"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
+        ("a[1-2],b3,c[08-09]", ["a1", "a2", "b3", "c08", "c09"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("ib-node[001-002].cluster", ["ib-node001.cluster", "ib-node002.cluster"]),
+    ],
+)
+def test_hostlists_expand_as_slurm_does(hostlist: str, hosts: list[str]) -> None:
+    assert expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-04", "node[4-1]"])
+def test_malformed_hostlists_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        expand_hostlist(bad)
+
+
+# What `srun` sets for the third task of a 4-node job (values as seen on a real cluster).
+SRUN_ENV = {
+    "SLURM_JOB_ID": "4242117",
+    "SLURM_JOB_NAME": "gpt",
+    "SLURM_JOB_NODELIST": "gpu-a100-[017-018,020],gpu-a100-031",
+    "SLURM_NODELIST": "gpu-a100-[017-018,020],gpu-a100-031",
+    "SLURM_JOB_NUM_NODES": "4",
+    "SLURM_NNODES": "4",
+    "SLURM_NODEID": "2",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_TASKS_PER_NODE": "1(x4)",
+    "SLURMD_NODENAME": "gpu-a100-020",
+}
+
+
+def test_the_allocation_gives_nodes_rank_and_rendezvous() -> None:
+    nodes = from_environment(SRUN_ENV)
+    assert nodes is not None
+    assert (nodes.nnodes, nodes.node_rank, nodes.job_id) == (4, 2, "4242117")
+    assert nodes.endpoint == "gpu-a100-017:29617"  # the first node; 29500 + job id % 1000
+    assert from_environment({**SRUN_ENV, "MASTER_PORT": "31000"}).endpoint == "gpu-a100-017:31000"  # type: ignore[union-attr]
+
+
+def test_outside_srun_there_is_no_allocation() -> None:
+    assert from_environment({}) is None
+    # sbatch's own shell has a job but no task: the script's srun starts the tasks.
+    batch_shell = {k: v for k, v in SRUN_ENV.items() if k not in ("SLURM_NODEID", "SLURM_PROCID")}
+    assert from_environment(batch_shell) is None
+
+
+def test_the_allocation_is_what_train_uses_unless_a_flag_says_otherwise() -> None:
+    nodes = resolve_nodes(env=SRUN_ENV)
+    assert (nodes.min, nodes.max, nodes.node_rank) == (4, 4, 2)
+    assert (nodes.endpoint, nodes.job_id, nodes.source) == (
+        "gpu-a100-017:29617",
+        "4242117",
+        "SLURM job 4242117",
+    )
+    assert resolve_nodes(job_id="mine", env=SRUN_ENV).job_id == "mine"
+    # One node of SLURM: a loopback rendezvous, and the job id still names the run folder.
+    one = {
+        **SRUN_ENV,
+        "SLURM_JOB_NODELIST": "gpu7",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODEID": "0",
+    }
+    assert resolve_nodes(env=one) == Nodes(job_id="4242117", source="SLURM job 4242117")
+
+
+@pytest.mark.parametrize("layout", ["8(x4)", "1(x3),2"])
+def test_several_tasks_on_a_node_are_refused(layout: str) -> None:
+    with pytest.raises(UsageError, match="one task per node"):
+        resolve_nodes(env={**SRUN_ENV, "SLURM_STEP_TASKS_PER_NODE": layout})
+    check_one_task_per_node({"SLURM_STEP_TASKS_PER_NODE": "1(x4)"})  # one each: fine
+
+
+def test_sbatch_script_is_exactly_this_and_valid_bash(tmp_path: Path) -> None:
+    script = sbatch_script("configs/gpt_ddp.yaml", nodes=4, gpus_per_node=8, name="gpt_ddp")
+    assert script == (REPO / "tests" / "data" / "gpt_ddp.sbatch").read_text()
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+# Stand-ins for SLURM's commands: srun records its arguments and, like a train that got
+# SIGTERM and saved, exits 143 on SIGTERM (0 if left alone); scontrol records its own.
+FAKE_SRUN = """#!/bin/bash
+echo "$@" > "$FAKE_LOG/srun"
+trap 'kill $!; sleep 0.5; exit 143' TERM
+sleep 30 & wait
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "$@" > "$FAKE_LOG/scontrol"
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signal_batch_shell", [False, True])
+def test_the_job_requeues_itself_when_train_stops_on_sigterm(
+    tmp_path: Path, signal_batch_shell: bool
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script("x.yaml", nodes=2, gpus_per_node=8, name="x"))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path)}
+    job = subprocess.Popen(
+        ["bash", str(script)], env={**env, "SLURM_JOB_ID": "77"}, text=True, stdout=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "srun").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        srun = next(
+            p for p in psutil.Process(job.pid).children() if "srun" in " ".join(p.cmdline())
+        )
+        # SLURM's --signal=TERM goes to the job steps; on preemption the batch shell gets it too.
+        if signal_batch_shell:
+            job.send_signal(signal.SIGTERM)
+        srun.send_signal(signal.SIGTERM)
+        out, _ = job.communicate(timeout=20)
+    finally:
+        for p in psutil.Process(job.pid).children(recursive=True) if job.poll() is None else []:
+            p.kill()
+        job.kill()
+    assert job.returncode == 143, out
+    assert (tmp_path / "srun").read_text().split()[-2:] == ["--resume", "latest"]
+    assert (tmp_path / "scontrol").read_text().split() == ["requeue", "77"]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_finishes_is_not_requeued(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/bash\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script("x.yaml", nodes=2, gpus_per_node=8, name="x"))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    result = subprocess.run(["bash", str(script)], env=env, timeout=30, capture_output=True)
+    assert result.returncode == 0 and not (tmp_path / "scontrol").exists()
+
+
+def test_train_slurm_prints_the_script(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "run.yaml", run={"name": "gpt_ddp"})
+    result = run_train(
+        [
+            "slurm",
+            "--config",
+            str(spec),
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "8",
+            "--time",
+            "2:00:00",
+            "optim.lr=0.1",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == sbatch_script(
+        str(spec), 4, 8, "gpt_ddp", time="2:00:00", extra_args=["optim.lr=0.1"]
+    )
+    assert "#SBATCH --time=2:00:00" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_srun_train_needs_no_flags(tmp_path: Path) -> None:
+    """Two `train` processes with what srun sets for two tasks on two nodes (both nodes are
+    this machine) make one run of world size 2, in a folder named after the job."""
+    spec = write_spec(tmp_path / "run.yaml", train={"max_steps": 6, "log_every": 3})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        "SLURM_JOB_ID": "5150",
+        "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "MASTER_PORT": str(port),
+    }
+    procs = [
+        start_train(
+            ["--config", str(spec), "--devices", "1"],
+            cwd=tmp_path,
+            env={**env, "SLURM_NODEID": str(rank), "SLURM_PROCID": str(rank)},
+        )
+        for rank in (1, 0)
+    ]
+    for proc in procs:
+        proc.wait(150)
+    node1, node0 = (finish_train(proc, tmp_path, timeout=5) for proc in procs)
+    assert node0.returncode == 0 and node1.returncode == 0, node0.stdout + node1.stdout
+    assert "from SLURM job 5150" in node0.stdout
+    assert "node 1 of 2" in node1.stdout and "ddp on 2 x cpu" in node0.stdout
+    assert (
+        tmp_path / "runs" / "t" / "5150" / "checkpoints" / "step-00000006" / "COMPLETE"
+    ).is_file()

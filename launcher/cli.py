@@ -196,6 +196,9 @@ def slurm_command(
     partition: Annotated[str | None, typer.Option(help="#SBATCH --partition.")] = None,
     time: Annotated[str | None, typer.Option(help="#SBATCH --time, e.g. 24:00:00.")] = None,
     account: Annotated[str | None, typer.Option(help="#SBATCH --account.")] = None,
+    cpus_per_task: Annotated[
+        int | None, typer.Option(min=1, help="#SBATCH --cpus-per-task: CPU cores per node.")
+    ] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Print an sbatch script that runs this spec on a SLURM cluster and requeues itself when
@@ -214,6 +217,7 @@ def slurm_command(
             partition=partition,
             time=time,
             account=account,
+            cpus_per_task=cpus_per_task,
             extra_args=list(overrides or []),
         )
         sys.stdout.write(script)

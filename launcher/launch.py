@@ -7,6 +7,7 @@ One process per device, started by the same elastic agent that torchrun uses; ea
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, NoReturn
@@ -142,6 +144,7 @@ def _launch_config(plan: LaunchPlan, view: _NodeView) -> LaunchConfig:
     nodes = plan.nodes
     node = rendezvous.NodeConfig(
         nproc=plan.nproc,
+        spec_digest=hashlib.sha256(spec_to_yaml(plan.spec).encode()).hexdigest()[:12],
         node_rank=nodes.node_rank,
         loopback=not nodes.multi,
         on_round=view.follow,
@@ -163,13 +166,8 @@ def _launch_config(plan: LaunchPlan, view: _NodeView) -> LaunchConfig:
         max_restarts=plan.spec.launch.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(node_dir(plan) / "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(plan.node_dir / ".elastic")),
     )
-
-
-def node_dir(plan: LaunchPlan) -> Path:
-    """This node's own files in the run folder (shared by every node on shared storage)."""
-    return plan.run_dir / "nodes" / plan.nodes.name if plan.nodes.multi else plan.run_dir
 
 
 class _NodeView:
@@ -249,11 +247,18 @@ class _Signals:
         self.received = 0
         self.name = ""
         self.forwarded = False
+        self._at = 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        # SLURM's preemption can deliver one SIGTERM twice (slurmstepd signals the task, and
+        # srun forwards its own): a second one that soon is not a request to stop at once.
+        if signum == signal.SIGTERM and self.name == "SIGTERM" and now - self._at < 10:
+            return
         self.received += 1
         self.name = signal.Signals(signum).name
+        self._at = now
 
     def __enter__(self) -> _Signals:
         # SIGHUP: the terminal or ssh session went away; treated as a request to stop.
@@ -296,7 +301,7 @@ def prepare_run_dir(plan: LaunchPlan) -> Path:
     try:
         plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
         (plan.run_dir / "logs").mkdir(exist_ok=True)
-        node_dir(plan).mkdir(parents=True, exist_ok=True)
+        plan.node_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise UsageError(f"--run-dir {plan.run_dir}: appeared while starting; run again") from None
     except OSError as exc:
@@ -304,19 +309,19 @@ def prepare_run_dir(plan: LaunchPlan) -> Path:
     if not os.access(plan.run_dir, os.W_OK):
         raise UsageError(f"--run-dir {plan.run_dir}: not writable")
     text = spec_to_yaml(plan.spec)
-    if plan.nodes.node_rank in (0, None) and not (plan.nodes.multi and plan.nodes.elastic):
+    if plan.writes_shared_files:
         spec_file = plan.run_dir / "spec.yaml"
         if spec_file.exists():
             # A resumed run keeps the spec it started with; this attempt's goes beside it.
             n = len(list(plan.run_dir.glob("spec.resume-*.yaml"))) + 1
             spec_file = plan.run_dir / f"spec.resume-{n}.yaml"
         _write_atomic(spec_file, text)
-    if not plan.nodes.multi:
-        return spec_file
+        if plan.node_dir == plan.run_dir:
+            return spec_file
     # Every node's workers read their own node's copy: it is there with or without storage
     # that the nodes share, and no node ever reads a file another is writing.
-    _write_atomic(node_dir(plan) / "spec.yaml", text)
-    return node_dir(plan) / "spec.yaml"
+    _write_atomic(plan.node_dir / "spec.yaml", text)
+    return plan.node_dir / "spec.yaml"
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -69,6 +69,11 @@ def resolve_nodes(
     source = ""
     if allocation is not None:
         slurm.check_one_task_per_node(env or {})
+    if allocation is not None and allocation.nnodes == 1:
+        # One node needs nothing from SLURM, and its runs (a sweep in one job, say) keep
+        # folders of their own; the batch script passes --rdzv-id itself.
+        allocation = None
+    if allocation is not None:
         source = f"SLURM job {allocation.job_id}"
         nnodes = nnodes or str(allocation.nnodes)
         node_rank = node_rank if node_rank is not None else str(allocation.node_rank)

@@ -56,6 +56,23 @@ class LaunchPlan:
         return env | self.devices.env  # the device count is the plan's, not a leftover's
 
     @property
+    def node_dir(self) -> Path:
+        """This node's own files (spec copy, agent logs) when the run folder is shared by
+        several nodes or TPU hosts; the run folder itself for a run of one machine."""
+        if self.nodes.multi:
+            return self.run_dir / "nodes" / self.nodes.name
+        if self.host_index:
+            return self.run_dir / "nodes" / f"host-{self.host_index}"
+        return self.run_dir
+
+    @property
+    def writes_shared_files(self) -> bool:
+        """Whether this node writes the run's own files (spec.yaml): node 0 only."""
+        if self.nodes.multi:
+            return self.nodes.node_rank == 0
+        return self.host_index == 0
+
+    @property
     def rank_offset(self) -> int:
         """The global rank of this host's first log on a TPU pod (torch_xla numbers hosts'
         devices one host after the other); 0 elsewhere."""
@@ -178,6 +195,13 @@ def _job_run(
     it has no checkpoint; once it has one, a node must say --resume to continue it."""
     run_dir = run_dir or output_dir / name / job_id
     newest = checkpoint.latest_complete(run_dir)
+    if newest is None and (run_dir / "summary.json").exists():
+        # Finished without a checkpoint (checkpoints off): nothing to continue, and starting
+        # it over would replace its metrics.
+        raise UsageError(
+            f"run folder {run_dir} (job {job_id}) holds a finished run; it is never overwritten",
+            hint="Use another --rdzv-id.",
+        )
     if resume == "latest":
         # The job's own newest checkpoint, or none yet: a requeued job that was stopped
         # before its first save starts over, in its own folder.

@@ -43,6 +43,7 @@ class NodeConfig:
     """This node's part in the rendezvous, passed through LaunchConfig.rdzv_configs."""
 
     nproc: int  # worker processes on this node: every node must run as many
+    spec_digest: str = ""  # of the resolved spec: every node must train the same run
     node_rank: int | None = None  # group rank to take (a fixed node count), or c10d's order
     loopback: bool = True  # a single node: stores on 127.0.0.1 only
     on_round: Callable[[Round], None] | None = None  # told before the workers start
@@ -117,30 +118,40 @@ def _check_nodes(info: Any, node: NodeConfig) -> int:
         return 0
     store, me = info.store, info.rank
     # The store is this round's own (prefixed by the round), so keys never go stale.
-    store.set(f"launcher/node/{me}", f"{node.node_rank} {node.nproc} {socket.gethostname()}")
-    peers = [store.get(f"launcher/node/{r}").decode().split(" ", 2) for r in range(info.world_size)]
-    sizes = {int(nproc) for _, nproc, _ in peers}
-    if len(sizes) > 1:
-        listing = ", ".join(
-            f"{host}{'' if rank == 'None' else f' (node {rank})'}: {nproc}"
-            for rank, nproc, host in peers
+    record = f"{node.node_rank} {node.nproc} {node.spec_digest or '-'} {socket.gethostname()}"
+    store.set(f"launcher/node/{me}", record)
+    peers = [store.get(f"launcher/node/{r}").decode().split(" ", 3) for r in range(info.world_size)]
+
+    def listing(field: int) -> str:
+        return ", ".join(
+            f"{host}{'' if rank == 'None' else f' (node {rank})'}: {peer[field]}"
+            for peer in peers
+            for rank, host in [(peer[0], peer[3])]
         )
+
+    if len({peer[1] for peer in peers}) > 1:
         raise NodeMismatch(
-            f"the nodes run different numbers of processes ({listing}); every node must "
+            f"the nodes run different numbers of processes ({listing(1)}); every node must "
             "run the same --devices"
         )
+    if len({peer[2] for peer in peers}) > 1:
+        raise NodeMismatch(
+            f"the nodes were given different specs (digests {listing(2)}); start every node "
+            "with the same config, overrides and flags"
+        )
+    ranked = {peer[0] != "None" for peer in peers}
+    if len(ranked) > 1:
+        raise NodeMismatch("some nodes gave --node-rank and some did not; give all or none")
     if node.node_rank is None:
         return me
-    taken: dict[int, str] = {}
-    for rank, _, host in peers:
-        if rank == "None":
-            raise NodeMismatch(f"{host} gave no --node-rank, but this node did; give all or none")
-        if int(rank) in taken:
+    taken: dict[str, str] = {}
+    for rank, _, _, host in peers:
+        if rank in taken:
             raise NodeMismatch(
-                f"--node-rank {rank}: taken by both {taken[int(rank)]} and {host}; give each "
-                f"node its own, 0 to {info.world_size - 1}"
+                f"--node-rank {rank}: taken by both {taken[rank]} and {host}; give each node "
+                f"its own, 0 to {info.world_size - 1}"
             )
-        taken[int(rank)] = host
+        taken[rank] = host
     return node.node_rank
 
 

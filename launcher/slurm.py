@@ -62,7 +62,7 @@ def _expand_one(name: str) -> list[str]:
 def check_one_task_per_node(env: Mapping[str, str]) -> None:
     """`train` starts a process per device itself: several SLURM tasks on one node would each
     start them all, on the same devices."""
-    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or ""
     counts = [int(part.split("(")[0]) for part in layout.split(",") if part[:1].isdigit()]
     if any(count > 1 for count in counts):
         raise UsageError(
@@ -86,13 +86,15 @@ class SlurmNodes:
 
 
 def from_environment(env: Mapping[str, str]) -> SlurmNodes | None:
-    """The allocation this process runs in, or None outside SLURM (or outside `srun`)."""
+    """The job step this process is a task of (started by `srun`), or None: outside SLURM,
+    and in a batch script itself, whose shell is no task of a step."""
     job = env.get("SLURM_JOB_ID")
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not job or not nodelist or "SLURM_NODEID" not in env:
+    nodelist = env.get("SLURM_STEP_NODELIST")
+    if not job or not nodelist or "SLURM_STEP_ID" not in env or "SLURM_NODEID" not in env:
         return None
     hosts = expand_hostlist(nodelist)
-    nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
+    # The step's nodes, not the allocation's: `srun -N2` may run in a 4-node allocation.
+    nnodes = int(env.get("SLURM_STEP_NUM_NODES") or len(hosts))
     # A fixed port per job: every node computes the same one, and two jobs sharing a first
     # node do not collide. MASTER_PORT, when set, wins.
     port = int(env.get("MASTER_PORT") or DEFAULT_PORT + int(job) % 1000)
@@ -108,25 +110,19 @@ def sbatch_script(
     partition: str | None = None,
     time: str | None = None,
     account: str | None = None,
+    cpus_per_task: int | None = None,
     extra_args: list[str] | None = None,
 ) -> str:
     """A batch script that runs `train` on `nodes` nodes and survives preemption and the time
     limit: SLURM's SIGTERM makes every rank save a checkpoint (train exits 143), the job
     requeues itself, and the requeued job (same job id, same run folder) resumes there."""
     train = shlex.join(
-        [
-            "train",
-            "--config",
-            config,
-            "--accelerator",
-            "gpu",
-            "--devices",
-            str(gpus_per_node),
-            "--resume",
-            "latest",
-            *(extra_args or []),
-        ]
+        ["train", "--config", config, "--accelerator", "gpu", "--devices", str(gpus_per_node)]
     )
+    # The job id names the run folder, so a requeued job (same id) finds its own again.
+    train += ' --rdzv-id "$SLURM_JOB_ID" --resume latest'
+    if extra_args:
+        train += " " + shlex.join(extra_args)
     options = [
         f"--job-name={name}",
         f"--nodes={nodes}",
@@ -135,12 +131,15 @@ def sbatch_script(
         *([f"--partition={partition}"] if partition else []),
         *([f"--account={account}"] if account else []),
         *([f"--time={time}"] if time else []),
+        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
         "--requeue",
         "--signal=TERM@120",
         "--open-mode=append",
         "--output=%x-%j.out",
     ]
     header = "\n".join(f"#SBATCH {option}" for option in options)
+    # srun no longer passes --cpus-per-task on to its tasks by itself (SLURM 22.05+).
+    cpus = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK\n" if cpus_per_task else ""
     return f"""#!/bin/bash
 {header}
 
@@ -149,12 +148,12 @@ def sbatch_script(
 # are relative to, with `train` on the PATH (sbatch passes your environment on).
 #
 # The run folder is <run.output_dir>/<run.name>/<job id>, on storage every node sees.
-# --resume latest continues it from its newest checkpoint when it has one: after a requeue
-# the job id, and so the folder, is the same.
+# --resume latest continues it from its newest checkpoint when it has one (a requeued job
+# keeps its id, and so its folder), and starts it when it has none.
 #
 # 120 s before the time limit (and on preemption) SLURM sends SIGTERM: every rank finishes
 # its step and saves a checkpoint, train exits with 143, and the job requeues itself.
-trap 'echo "$(date): SIGTERM: train is saving a checkpoint"' TERM
+{cpus}trap 'echo "$(date): SIGTERM: train is saving a checkpoint"' TERM
 srun --kill-on-bad-exit=1 {train} &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do

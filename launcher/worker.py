@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -74,6 +75,9 @@ def dump_stacks_on_request() -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
+# SLURM can deliver one preemption's SIGTERM twice (to the task, and through srun): a second
+# one within this many seconds is the same request; only a later one means "now".
+REPEAT_WINDOW_S = 10.0
 _sigterm_lock = threading.Lock()
 _sigterm_taken = False
 
@@ -110,16 +114,20 @@ def stop_on_outside_sigterm(run_dir: Path, launcher_pid: int) -> None:
 
 def _start_sigterm_thread(run_dir: Path, launcher_pid: int, quiet: bool) -> None:
     def take() -> None:
-        stopping = False
+        stopping_since: float | None = None
         while True:
             sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-            if stopping or sender in (launcher_pid, os.getppid()):
+            if sender in (launcher_pid, os.getppid()):
                 _die_by_sigterm()
+            if stopping_since is not None:
+                if time.monotonic() - stopping_since > REPEAT_WINDOW_S:
+                    _die_by_sigterm()
+                continue
             try:
                 (run_dir / STOP_FILE).touch()
             except OSError:  # no way to ask the others: stop as if it were the launcher's
                 _die_by_sigterm()
-            stopping = True
+            stopping_since = time.monotonic()
             if not quiet:
                 print(
                     f"SIGTERM from pid {sender} (not the launcher): "
@@ -140,16 +148,19 @@ def _die_by_sigterm() -> NoReturn:
 
 
 def resume_point(run_dir: Path, requested: Path | None) -> Path | None:
-    """Where this attempt starts: after a restart, the run's latest complete checkpoint."""
+    """Where this attempt starts: the run folder's latest complete checkpoint, else the one
+    asked for. The plan lets a run write into a folder with checkpoints only when it
+    continues from the newest, so this is the request on a first start; after a restart
+    (a failure, or nodes joining, which torch does not count as a restart) it is what the
+    run saved last."""
     from launcher.checkpoint import latest_complete
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
-        return requested
     latest = latest_complete(run_dir) or requested
-    limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) + 1
-    where = f"resuming from {latest}" if latest else "no checkpoint yet: starting over"
-    print(f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}", flush=True)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt:
+        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) + 1
+        where = f"resuming from {latest}" if latest else "no checkpoint yet: starting over"
+        print(f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}", flush=True)
     return latest
 
 

@@ -132,7 +132,9 @@ def test_a_node_started_again_rejoins_and_the_run_recovers(tmp_path: Path) -> No
     wait_for_step(run_dir, 1, 30, procs[1])  # past a checkpoint
     _kill_node(procs[1])
     # The same command again, continuing the job: node 0 waits for it in the rendezvous.
-    again = start_train(node_args(spec, 1, port, "again", "--resume", "latest"), cwd=tmp_path)
+    again = start_train(
+        node_args(spec, 1, port, "again", "--max-restarts", "1", "--resume", "latest"), cwd=tmp_path
+    )
     node0, _, node1 = finish_nodes([procs[0], procs[1], again], tmp_path)
     assert node0.returncode == 0, node0.stdout + node0.stderr
     assert node1.returncode == 0, node1.stdout + node1.stderr
@@ -201,14 +203,21 @@ def test_bad_node_flags_are_named(tmp_path: Path, flags: list[str], expected: st
     assert not (tmp_path / "runs").exists()
 
 
-def test_nodes_with_different_device_counts_are_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("node1_extra", "expected"),
+    [
+        (["--devices", "2"], "every node must run the same --devices"),
+        (["optim.lr=0.5"], "the nodes were given different specs"),
+    ],
+)
+def test_nodes_that_do_not_make_one_run_are_named(
+    tmp_path: Path, node1_extra: list[str], expected: str
+) -> None:
     spec = write_spec(tmp_path / "run.yaml")
     port = free_port()
     procs = [
-        start_train([*node_args(spec, 1, port, "uneven"), "--devices", "2"], cwd=tmp_path),
+        start_train([*node_args(spec, 1, port, "uneven"), *node1_extra], cwd=tmp_path),
         start_train(node_args(spec, 0, port, "uneven"), cwd=tmp_path),
     ]
     for result in finish_nodes(procs, tmp_path, timeout=90):
-        usage_error(
-            result, "the nodes of job uneven do not match", "every node must run the same --devices"
-        )
+        usage_error(result, "the nodes of job uneven do not match", expected)

@@ -53,6 +53,11 @@ SRUN_ENV = {
     "SLURM_NTASKS": "4",
     "SLURM_TASKS_PER_NODE": "1(x4)",
     "SLURMD_NODENAME": "gpu-a100-020",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "gpu-a100-[017-018,020],gpu-a100-031",
+    "SLURM_STEP_NUM_NODES": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
 }
 
 
@@ -66,9 +71,13 @@ def test_the_allocation_gives_nodes_rank_and_rendezvous() -> None:
 
 def test_outside_srun_there_is_no_allocation() -> None:
     assert from_environment({}) is None
-    # sbatch's own shell has a job but no task: the script's srun starts the tasks.
-    batch_shell = {k: v for k, v in SRUN_ENV.items() if k not in ("SLURM_NODEID", "SLURM_PROCID")}
-    assert from_environment(batch_shell) is None
+    # sbatch's own shell has a job (and a SLURM_NODEID) but is no task of a step: the
+    # script's srun starts the tasks.
+    batch_shell = {k: v for k, v in SRUN_ENV.items() if not k.startswith("SLURM_STEP_")}
+    assert from_environment({**batch_shell, "SLURM_NODEID": "0"}) is None
+    # A step on 2 nodes of a 4-node allocation waits for 2, not 4.
+    step = {**SRUN_ENV, "SLURM_STEP_NODELIST": "gpu-a100-[017-018]", "SLURM_STEP_NUM_NODES": "2"}
+    assert from_environment({**step, "SLURM_NODEID": "1"}).nnodes == 2  # type: ignore[union-attr]
 
 
 def test_the_allocation_is_what_train_uses_unless_a_flag_says_otherwise() -> None:
@@ -80,14 +89,10 @@ def test_the_allocation_is_what_train_uses_unless_a_flag_says_otherwise() -> Non
         "SLURM job 4242117",
     )
     assert resolve_nodes(job_id="mine", env=SRUN_ENV).job_id == "mine"
-    # One node of SLURM: a loopback rendezvous, and the job id still names the run folder.
-    one = {
-        **SRUN_ENV,
-        "SLURM_JOB_NODELIST": "gpu7",
-        "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_NODEID": "0",
-    }
-    assert resolve_nodes(env=one) == Nodes(job_id="4242117", source="SLURM job 4242117")
+    # A step on one node is a plain run (a sweep in one job gets a folder per run); the
+    # batch script names the job's folder itself, with --rdzv-id.
+    one = {**SRUN_ENV, "SLURM_STEP_NODELIST": "gpu7", "SLURM_STEP_NUM_NODES": "1"}
+    assert resolve_nodes(env={**one, "SLURM_NODEID": "0"}) == Nodes()
 
 
 @pytest.mark.parametrize("layout", ["8(x4)", "1(x3),2"])
@@ -150,7 +155,7 @@ def test_the_job_requeues_itself_when_train_stops_on_sigterm(
             p.kill()
         job.kill()
     assert job.returncode == 143, out
-    assert (tmp_path / "srun").read_text().split()[-2:] == ["--resume", "latest"]
+    assert (tmp_path / "srun").read_text().split()[-4:] == ["--rdzv-id", "77", "--resume", "latest"]
     assert (tmp_path / "scontrol").read_text().split() == ["requeue", "77"]
 
 
@@ -203,6 +208,9 @@ def test_srun_train_needs_no_flags(tmp_path: Path) -> None:
         "SLURM_JOB_ID": "5150",
         "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1",
         "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "127.0.0.1,127.0.0.1",
+        "SLURM_STEP_NUM_NODES": "2",
         "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
         "MASTER_PORT": str(port),
     }

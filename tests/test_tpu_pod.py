@@ -37,3 +37,6 @@ def test_a_hosts_logs_come_after_the_hosts_before_it(devices: Devices, offset: i
     plan = LaunchPlan(spec, Path("run"), "tpu", devices, None, None, 1, host_index=2)
     assert plan.rank_offset == offset
     assert plan.worker_env()["LAUNCHER_RANK_OFFSET"] == str(offset)
+    # The hosts share the run folder: this one keeps its own files apart, and leaves the
+    # run's spec.yaml to host 0.
+    assert plan.node_dir == Path("run/nodes/host-2") and not plan.writes_shared_files

@@ -35,8 +35,10 @@ pytestmark = pytest.mark.timeout(300)
 CHILD = """
 import os, signal, sys, time
 from pathlib import Path
+import launcher.worker
 from launcher.worker import stop_on_outside_sigterm
 
+launcher.worker.REPEAT_WINDOW_S = 1.0
 stop_on_outside_sigterm(Path(sys.argv[1]), os.getppid())
 forked = 0
 if sys.argv[2] == "fork":
@@ -131,8 +133,11 @@ def test_sigterm_from_outside_asks_for_a_stop_and_a_second_one_ends_the_worker(
             f"SIGTERM from pid {sender} (not the launcher): "
             "finishing this step, saving and stopping"
         )
+        # At once again: the same request delivered twice (SLURM's preemption can), ignored.
+        _sigterm_from_a_third_process(proc.pid)
         time.sleep(0.5)
         assert proc.poll() is None
+        time.sleep(1.0)  # past REPEAT_WINDOW_S (1 s in CHILD): now it means "at once"
         _sigterm_from_a_third_process(proc.pid)
         assert proc.wait(timeout=10) == -signal.SIGTERM
     finally:

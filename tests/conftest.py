@@ -56,6 +56,7 @@ def loss(model, batch):
                 f.write(repr(time.time()))
             raise RuntimeError(f"boom on rank {os.environ['RANK']}")
         if FAULT == "sleep":
+            open("sleeping", "w").close()  # tests wait for this, not for a step
             time.sleep(3600)
         if FAULT == "segv":
             ctypes.string_at(0)

@@ -148,7 +148,12 @@ def test_a_second_signal_stops_everything_at_once(tmp_path: Path) -> None:
     proc = start_train(
         ["--config", str(spec), "--run-dir", str(run_dir)], tmp_path, {"FAULT": "sleep"}
     )
-    wait_for_step(run_dir, 0, 3, proc)  # rank 1 now sleeps: a graceful stop cannot finish
+    # Once rank 1 sleeps inside its step, a graceful stop cannot finish (after step 3 alone
+    # it could: the ranks might still agree to stop there).
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "sleeping").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never slept"
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(1)
     os.kill(proc.pid, signal.SIGINT)

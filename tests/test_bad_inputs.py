@@ -126,8 +126,30 @@ def _snapshot(folder: Path) -> dict[Path, str]:
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
 
 
+# Refused while the spec and flags are read, before anything that differs between torch
+# versions runs: once is enough (`make test` runs them in .venv only).
+SPEC_ONLY = {
+    *(c[0] for c in CASES if c[0].startswith(("yaml-", "devices-", "config-"))),
+    "unknown-key",
+    "unknown-section",
+    "wrong-type",
+    "out-of-range",
+    "override-without-equals",
+    "no-step-limit",
+    "zero-steps",
+    "bad-run-name",
+    "unknown-accelerator",
+    "unknown-strategy",
+    "bad-stall-timeout",
+}
+
+
 @pytest.mark.parametrize(
-    ("args", "files", "expected", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("args", "files", "expected", "code"),
+    [
+        pytest.param(*c[1:], id=c[0], marks=pytest.mark.launcher_only if c[0] in SPEC_ONLY else ())
+        for c in CASES
+    ],
 )
 def test_bad_input(
     tmp_path: Path, args: list[str], files: dict[str, str | bytes], expected: list[str], code: int

@@ -192,6 +192,7 @@ def test_node_0_names_the_endpoint_it_cannot_host(tmp_path: Path) -> None:
         ),
     ],
 )
+@pytest.mark.launcher_only
 def test_bad_node_flags_are_named(tmp_path: Path, flags: list[str], expected: str) -> None:
     spec = write_spec(tmp_path / "run.yaml")
     result = finish_train(

@@ -19,11 +19,10 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 NAME = "launcher"
 LOOPBACK = "127.0.0.1"
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
 class NodeMismatch(RuntimeError):
@@ -112,6 +111,19 @@ def _create_handler(params: Any) -> Any:
     return handler
 
 
+class _Peer(NamedTuple):
+    """One node's record in a round: what the nodes compare."""
+
+    rank: str  # its --node-rank, or "None"
+    nproc: str
+    digest: str
+    host: str
+
+    @property
+    def label(self) -> str:
+        return self.host if self.rank == "None" else f"{self.host} (node {self.rank})"
+
+
 def _check_nodes(info: Any, node: NodeConfig) -> int:
     """This node's group rank, after checking with every other node of the round."""
     if info.world_size == 1:
@@ -120,38 +132,34 @@ def _check_nodes(info: Any, node: NodeConfig) -> int:
     # The store is this round's own (prefixed by the round), so keys never go stale.
     record = f"{node.node_rank} {node.nproc} {node.spec_digest or '-'} {socket.gethostname()}"
     store.set(f"launcher/node/{me}", record)
-    peers = [store.get(f"launcher/node/{r}").decode().split(" ", 3) for r in range(info.world_size)]
-
-    def listing(field: int) -> str:
-        return ", ".join(
-            f"{host}{'' if rank == 'None' else f' (node {rank})'}: {peer[field]}"
-            for peer in peers
-            for rank, host in [(peer[0], peer[3])]
-        )
-
-    if len({peer[1] for peer in peers}) > 1:
+    peers = [
+        _Peer(*store.get(f"launcher/node/{r}").decode().split(" ", 3))
+        for r in range(info.world_size)
+    ]
+    if len({p.nproc for p in peers}) > 1:
+        listing = ", ".join(f"{p.label}: {p.nproc}" for p in peers)
         raise NodeMismatch(
-            f"the nodes run different numbers of processes ({listing(1)}); every node must "
-            "run the same --devices"
+            f"the nodes run different numbers of processes ({listing}); every node must run "
+            "the same --devices"
         )
-    if len({peer[2] for peer in peers}) > 1:
+    if len({p.digest for p in peers}) > 1:
+        listing = ", ".join(f"{p.label}: {p.digest}" for p in peers)
         raise NodeMismatch(
-            f"the nodes were given different specs (digests {listing(2)}); start every node "
-            "with the same config, overrides and flags"
+            f"the nodes were given different specs (digests {listing}); start every node with "
+            "the same config, overrides and flags"
         )
-    ranked = {peer[0] != "None" for peer in peers}
-    if len(ranked) > 1:
+    if len({p.rank == "None" for p in peers}) > 1:
         raise NodeMismatch("some nodes gave --node-rank and some did not; give all or none")
     if node.node_rank is None:
         return me
     taken: dict[str, str] = {}
-    for rank, _, _, host in peers:
-        if rank in taken:
+    for p in peers:
+        if p.rank in taken:
             raise NodeMismatch(
-                f"--node-rank {rank}: taken by both {taken[rank]} and {host}; give each node "
-                f"its own, 0 to {info.world_size - 1}"
+                f"--node-rank {p.rank}: taken by both {taken[p.rank]} and {p.host}; give each "
+                f"node its own, 0 to {info.world_size - 1}"
             )
-        taken[rank] = host
+        taken[p.rank] = p.host
     return node.node_rank
 
 

@@ -89,11 +89,17 @@ def make_plan(
     nodes: Nodes | None = None,
 ) -> LaunchPlan:
     nodes = nodes or Nodes()
-    if nodes.multi and spec.launch.accelerator == "tpu":
-        _refuse_tpu_nodes(nodes)
+    # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
+    # exactly for the strategies that run on nothing else.
+    tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
+    if nodes.multi and (spec.launch.accelerator == "tpu" or tpu_only):
+        raise UsageError(
+            f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
+            "same train command, without --nnodes, on every host of the pod",
+            hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
+            "(README: TPU pods).",
+        )
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
-    if nodes.multi and accelerator == "tpu":
-        _refuse_tpu_nodes(nodes)
     if spec.launch.strategy == "fsdp" and spec.fsdp.cpu_offload and accelerator != "gpu":
         raise UsageError(
             "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "
@@ -142,15 +148,6 @@ def make_plan(
         notes=tuple(notes),
         host_index=host_index(os.environ) if on_tpu else 0,
         nodes=nodes,
-    )
-
-
-def _refuse_tpu_nodes(nodes: Nodes) -> None:
-    raise UsageError(
-        f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
-        "same train command, without --nnodes, on every host of the pod",
-        hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
-        "(README: TPU pods).",
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from launcher.errors import UsageError
+from launcher.run_layout import CheckpointFiles
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -62,7 +63,7 @@ def _is_dtype(module: str, name: str) -> bool:
 
 def read_metadata(path: Path) -> Any:
     try:
-        with open(path / ".metadata", "rb") as f:
+        with open(CheckpointFiles(path).dcp_metadata, "rb") as f:
             return _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise UsageError(f"--resume {path}: no .metadata file; not a complete checkpoint") from None

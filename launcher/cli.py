@@ -145,9 +145,9 @@ def run_command(
     """Train: launch one process per device, wrap the model, stream every replica's logs."""
 
     def go() -> int:
-        from launcher.launch import execute
-        from launcher.nodes import resolve_nodes
-        from launcher.plan import make_plan
+        from launcher.launch.execute import execute
+        from launcher.launch.nodes import resolve_nodes
+        from launcher.launch.plan import make_plan
 
         nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
 
@@ -205,7 +205,7 @@ def slurm_command(
     preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
 
     def go() -> int:
-        from launcher.slurm import sbatch_script
+        from launcher.launch.slurm import sbatch_script
 
         spec = _load(config, overrides)
         _check_recipe(spec.recipe.source)
@@ -249,7 +249,7 @@ def _load(  # type: ignore[no-untyped-def]
 def _check_recipe(source: str) -> None:
     """Imports the recipe as the workers will (from the working directory) and checks that it
     defines what the launcher calls."""
-    from launcher.recipe import load_recipe
+    from launcher.train.recipe import load_recipe
 
     load_recipe(source)
 

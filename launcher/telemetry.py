@@ -1,18 +1,16 @@
 """Files between workers and the launcher: a worker never blocks on a terminal or a pipe.
 
-Workers write:
-- telemetry/rank-N.jsonl: every rank's own progress, each record with its pid (the live
-  status region);
-- telemetry/rank-N.beat: one short line, rewritten in place after every step and save
-  (`step beats pid`): the heartbeat the launcher's hang watchdog follows;
-- metrics.jsonl: rank 0's metrics averaged over all ranks;
-- summary.json: rank 0's timings at the end (bench/ reads it).
-
-The launcher writes STOP_FILE to ask every rank to finish its step, save and exit.
+Workers write (paths: `launcher.run_layout`):
+- their status records (telemetry/rank-N.jsonl), each with its pid: the live table;
+- their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
+  and save (`step beats pid`): what the launcher's hang watchdog follows;
+- a failure record (telemetry/rank-N.failed) when they fail: the root cause;
+- rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -20,11 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STOP_FILE = "stop-request"
-
-
-def beat_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "telemetry" / f"rank-{rank}.beat"
+from launcher.run_layout import RunLayout
 
 
 def read_beat(path: Path) -> tuple[int, int, int] | None:
@@ -38,7 +32,6 @@ def read_beat(path: Path) -> tuple[int, int, int] | None:
 
 class Telemetry:
     def __init__(self, run_dir: Path, rank: int, is_main: bool, attempt: int = 0) -> None:
-        self.run_dir = run_dir
         self.rank = rank
         self.is_main = is_main
         self.attempt = attempt
@@ -46,21 +39,21 @@ class Telemetry:
         self.first_step_end: float | None = None
         self.step_times: list[float] = []
         self.checkpoint_times: list[float] = []
-        (run_dir / "telemetry").mkdir(exist_ok=True)
+        self.layout = layout = RunLayout(run_dir)
+        layout.telemetry_dir.mkdir(exist_ok=True)
         # Held open for the whole run (closed by close()); line-buffered so each record lands whole.
-        heartbeat = run_dir / "telemetry" / f"rank-{rank}.jsonl"
-        self._heartbeat = open(heartbeat, "a", buffering=1)  # noqa: SIM115
+        self._status = open(layout.telemetry(rank), "a", buffering=1)  # noqa: SIM115
         self._metrics = (
-            open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            open(layout.metrics, "a", buffering=1)  # noqa: SIM115
             if is_main
             else None
         )
         # One write in place per step: cheap at any step rate, and the file never grows.
-        self._beat = os.open(beat_path(run_dir, rank), os.O_WRONLY | os.O_CREAT, 0o644)
+        self._beat = os.open(layout.beat(rank), os.O_WRONLY | os.O_CREAT, 0o644)
         self._beats = 0
 
-    def progress(self, step: int) -> None:
-        """A heartbeat: alive, and step `step` is done."""
+    def beat(self, step: int) -> None:
+        """The heartbeat: alive, and step `step` is done."""
         self._beats += 1
         os.pwrite(self._beat, f"{step:>12} {self._beats:>12} {os.getpid():>10}\n".encode(), 0)
 
@@ -76,7 +69,8 @@ class Telemetry:
         else:
             self.checkpoint_times.append(seconds)
 
-    def heartbeat(self, **fields: Any) -> None:
+    def status(self, **fields: Any) -> None:
+        """A record of this rank's progress (step, loss, throughput) for the live table."""
         record = {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -85,7 +79,7 @@ class Telemetry:
             **fields,
         }
         record["elapsed_s"] = round(record["time"] - self.started, 3)
-        self._heartbeat.write(json.dumps(record) + "\n")
+        self._status.write(json.dumps(record) + "\n")
 
     def metrics(self, **fields: Any) -> None:
         if self._metrics is not None:
@@ -104,10 +98,18 @@ class Telemetry:
             "wall_s": time.time() - self.started,
             **fields,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.layout.summary.write_text(json.dumps(summary, indent=1))
 
     def close(self) -> None:
         os.close(self._beat)
-        self._heartbeat.close()
+        self._status.close()
         if self._metrics is not None:
             self._metrics.close()
+
+
+def record_failure(run_dir: Path, rank: int) -> None:
+    """When this rank failed, to the microsecond: the launcher names the rank that failed
+    first as the root cause (peers that lost it fail a moment later)."""
+    record = {"rank": rank, "pid": os.getpid(), "failed_at": time.time()}
+    with contextlib.suppress(OSError):
+        RunLayout(run_dir).failure(rank).write_text(json.dumps(record) + "\n")

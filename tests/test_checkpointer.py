@@ -9,8 +9,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import checkpoint
-from launcher.strategies.ddp import DDPStrategy
+from launcher.run_layout import RunLayout
+from launcher.train import checkpoint
+from launcher.train.strategies.ddp import DDPStrategy
+
+
+class Held:
+    """State the checkpointer is handed: fixed tensors to save (DCP), and a world size."""
+
+    def __init__(self, state: dict, model: torch.nn.Module | None = None) -> None:
+        self.state, self.model = state, model
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def rank_state_dict(self) -> dict:
+        return {}
+
+
+def _saver(strategy, run_dir: Path, state: dict, model=None, **options):  # type: ignore[no-untyped-def]
+    return checkpoint.Checkpointer(
+        strategy, run_dir, Held(state, model), Held({"world_size": 1}), **options
+    )
 
 
 @pytest.fixture
@@ -39,24 +59,26 @@ def test_background_save_holds_the_state_as_it_was(tmp_path: Path, strategy) -> 
     weights = torch.zeros(64 * 1024 * 1024 // 4)  # 64 MB: copying it takes a while
     model = torch.nn.Module()  # weights are a parameter: the save must not copy them up front
     model.w = torch.nn.Parameter(weights, requires_grad=False)
-    saver = checkpoint.Checkpointer(strategy, tmp_path, keep_last=None, use_async=True, model=model)
-    saver.save(1, {"model": {"w": weights}}, {"world_size": 1}, {})
+    saver = _saver(strategy, tmp_path, {"model": {"w": weights}}, model, use_async=True)
+    saver.save(1)
     saver.before_update()  # what the loop does before the optimizer changes the weights
     weights.add_(1.0)
     saver.close()
-    saved = _load(checkpoint.checkpoint_dir(tmp_path, 1), weights, strategy)
+    saved = _load(RunLayout(tmp_path).checkpoint(1), weights, strategy)
     assert torch.count_nonzero(saved) == 0
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("use_async", [False, True])
 def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, use_async) -> None:
-    saver = checkpoint.Checkpointer(strategy, tmp_path, keep_last=2, use_async=use_async)
+    state: dict = {"model": {}}
+    saver = _saver(strategy, tmp_path, state, keep_last=2, use_async=use_async)
     for step in (1, 2, 3):
-        saver.save(step, {"model": {"w": torch.full((4,), float(step))}}, {"world_size": 1}, {})
+        state["model"] = {"w": torch.full((4,), float(step))}
+        saver.save(step)
         saver.before_update()
     saver.close()
-    names = [p.name for p in checkpoint.complete_checkpoints(tmp_path)]
+    names = [p.name for p in RunLayout(tmp_path).complete_checkpoints()]
     assert names == ["step-00000002", "step-00000003"]
     assert not list((tmp_path / "checkpoints").glob(".*partial"))
     assert (

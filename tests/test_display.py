@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import launcher.display.console as display_console
-from launcher.display import RunDisplay
-from launcher.display.alerts import AlertDetector, looks_like_alert
-from launcher.display.coalesce import Coalescer
-from launcher.display.lines import format_line
-from launcher.display.status import TelemetryBoard, format_elapsed, parse_telemetry
-from launcher.display.tail import FileTail, MultiTail
+import launcher.launch.display.console as display_console
+from launcher.launch.display import RunDisplay
+from launcher.launch.display.alerts import AlertDetector, looks_like_alert
+from launcher.launch.display.coalesce import Coalescer
+from launcher.launch.display.lines import format_line
+from launcher.launch.display.status import TelemetryBoard, format_elapsed, parse_telemetry
+from launcher.launch.display.tail import FileTail, MultiTail
 
 # -- tailing ---------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from launcher.watchdog import Watchdog
+from launcher.launch.watchdog import Watchdog
 from tests.conftest import (
     FAULTY_RECIPE,
     finish_train,

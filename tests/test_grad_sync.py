@@ -14,10 +14,10 @@ import pytest
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from launcher.loop import Trainer
-from launcher.recipe import load_recipe
 from launcher.spec import RunSpec
-from launcher.strategies.ddp import DDPStrategy
+from launcher.train.loop import Trainer
+from launcher.train.recipe import load_recipe
+from launcher.train.strategies.ddp import DDPStrategy
 from tests.conftest import REPO
 
 STEPS, ACCUM = 3, 4

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from launcher.checkpoint import MARKER, latest_complete, resolve_resume
 from launcher.errors import UsageError
-from launcher.nodes import Nodes
-from launcher.plan import make_plan
+from launcher.launch.nodes import Nodes
+from launcher.launch.plan import make_plan
+from launcher.run_layout import CheckpointFiles, latest_complete, resolve_resume
 from launcher.spec import RunSpec
 
 
@@ -20,7 +20,7 @@ def _checkpoint(run: Path, step: int, complete: bool = True) -> Path:
     path = run / "checkpoints" / f"step-{step:08d}"
     path.mkdir(parents=True)
     if complete:
-        (path / MARKER).write_text("")
+        CheckpointFiles(path).marker.write_text("")
         # The metadata DCP writes, empty: the plan reads it to refuse corrupt checkpoints.
         (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
     return path

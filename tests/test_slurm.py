@@ -13,8 +13,13 @@ import psutil
 import pytest
 
 from launcher.errors import UsageError
-from launcher.nodes import Nodes, resolve_nodes
-from launcher.slurm import check_one_task_per_node, expand_hostlist, from_environment, sbatch_script
+from launcher.launch.nodes import Nodes, resolve_nodes
+from launcher.launch.slurm import (
+    check_one_task_per_node,
+    expand_hostlist,
+    from_environment,
+    sbatch_script,
+)
 from tests.conftest import REPO, finish_train, run_train, start_train, write_spec
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.devices import Devices
-from launcher.plan import LaunchPlan
+from launcher.launch.devices import Devices
+from launcher.launch.plan import LaunchPlan
+from launcher.launch.tpu_pod import host_index
 from launcher.spec import RunSpec
-from launcher.tpu_pod import host_index
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_a_hosts_logs_come_after_the_hosts_before_it(devices: Devices, offset: i
     )
     plan = LaunchPlan(spec, Path("run"), "tpu", devices, None, None, 1, host_index=2)
     assert plan.rank_offset == offset
-    assert plan.worker_env()["LAUNCHER_RANK_OFFSET"] == str(offset)
+    assert plan.worker_plan().rank_offset == offset
     # The hosts share the run folder: this one keeps its own files apart, and leaves the
     # run's spec.yaml to host 0.
     assert plan.node_dir == Path("run/nodes/host-2") and not plan.writes_shared_files

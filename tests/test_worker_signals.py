@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.telemetry import STOP_FILE
+from launcher.run_layout import RunLayout
 from tests.conftest import (
     FAULTY_RECIPE,
     REPO,
@@ -35,10 +35,10 @@ pytestmark = pytest.mark.timeout(300)
 CHILD = """
 import os, signal, sys, time
 from pathlib import Path
-import launcher.worker
-from launcher.worker import stop_on_outside_sigterm
+import launcher.train.worker
+from launcher.train.worker import stop_on_outside_sigterm
 
-launcher.worker.REPEAT_WINDOW_S = 1.0
+launcher.train.worker.REPEAT_WINDOW_S = 1.0
 stop_on_outside_sigterm(Path(sys.argv[1]), os.getppid())
 forked = 0
 if sys.argv[2] == "fork":
@@ -114,7 +114,7 @@ def test_sigterm_from_the_launcher_ends_the_worker_at_once(tmp_path: Path) -> No
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=10) == -signal.SIGTERM
         assert time.monotonic() - started < 2
-        assert not (tmp_path / STOP_FILE).exists()
+        assert not RunLayout(tmp_path).stop_request.exists()
     finally:
         out = _end_child(proc)
     assert "SIGTERM from" not in out
@@ -127,7 +127,7 @@ def test_sigterm_from_outside_asks_for_a_stop_and_a_second_one_ends_the_worker(
     proc, _ = _start_child(tmp_path)
     try:
         sender = _sigterm_from_a_third_process(proc.pid)
-        _wait_for(tmp_path / STOP_FILE)
+        _wait_for(RunLayout(tmp_path).stop_request)
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == (
             f"SIGTERM from pid {sender} (not the launcher): "
@@ -161,7 +161,7 @@ def test_a_forked_child_ends_at_once_on_sigterm_from_the_launcher_or_its_parent(
         proc.stdin.write(f"wait {forked}\n")
         proc.stdin.flush()
         assert int(proc.stdout.readline()) == -signal.SIGTERM
-        assert not (tmp_path / STOP_FILE).exists()
+        assert not RunLayout(tmp_path).stop_request.exists()
     finally:
         _end_child(proc)
 
@@ -173,7 +173,7 @@ def test_a_forked_child_asks_for_a_stop_quietly_on_sigterm_from_outside(tmp_path
     proc, forked = _start_child(tmp_path, fork=True)
     try:
         _sigterm_from_a_third_process(forked)
-        _wait_for(tmp_path / STOP_FILE)
+        _wait_for(RunLayout(tmp_path).stop_request)
         time.sleep(0.5)
         assert _alive(forked) and proc.poll() is None
     finally:
@@ -203,7 +203,7 @@ def _workers(launcher_pid: int) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(launcher_pid).children()
-        if any("launcher.worker" in part for part in p.cmdline())
+        if any("launcher.train.worker" in part for part in p.cmdline())
     ]
 
 
@@ -283,7 +283,7 @@ def test_the_agents_sigterm_still_stops_a_worker_and_its_loader_workers_at_once(
     # a stop request would leave it to the agent's SIGKILL, 30 s later).
     assert ended - float((tmp_path / "crashed_at").read_text()) < 10
     assert "SIGTERM from" not in output
-    assert not list((tmp_path / "runs").glob(f"*/*/{STOP_FILE}"))
+    assert not list((tmp_path / "runs").glob(f"*/*/{RunLayout(Path()).stop_request.name}"))
 
 
 @pytest.mark.skipif(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.devices import Devices, tpu_devices
+from launcher.launch.devices import Devices, tpu_devices
 from tests.conftest import FAULTY_RECIPE, REPO, run_train, write_spec
 from tests.conftest import usage_error as _usage_error
 
@@ -274,7 +274,7 @@ def test_tpu_devices_are_counted_from_the_pci_bus(tmp_path: Path) -> None:
 def test_the_compile_cache_goes_in_the_run_dir_on_tpu_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from launcher.plan import LaunchPlan
+    from launcher.launch.plan import LaunchPlan
     from launcher.spec_loader import load_spec
 
     plan = LaunchPlan(
@@ -286,12 +286,11 @@ def test_the_compile_cache_goes_in_the_run_dir_on_tpu_only(
         show_ranks=None,
         omp_threads=1,
     )
-    monkeypatch.delenv("XLA_PERSISTENT_CACHE_PATH", raising=False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    assert plan.worker_env()["XLA_PERSISTENT_CACHE_PATH"] == str(tmp_path / "run" / "xla_cache")
+    assert plan.worker_plan().compile_cache == tmp_path / "run" / "xla_cache"
     monkeypatch.setenv("PJRT_DEVICE", "CPU")  # XLA's CPU client cannot reload executables
+    assert plan.worker_plan().compile_cache is None
     env = plan.worker_env()
-    assert "XLA_PERSISTENT_CACHE_PATH" not in env
     assert env["CPU_NUM_DEVICES"] == "4"
 
 

@@ -1,5 +1,0 @@
-"""Live, per-replica log display: each rank's lines, prefixed and coloured, plus status."""
-
-from launcher.display.console import RunDisplay
-
-__all__ = ["RunDisplay"]

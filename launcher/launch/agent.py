@@ -1,0 +1,81 @@
+"""torch.distributed's elastic agent, configured from a plan: the one place that says how the
+workers are started (torchrun's `config_from_args`, for our plan instead of its flags)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from launcher.launch import rendezvous
+from launcher.launch.plan import LaunchPlan
+from launcher.run_layout import RunLayout
+from launcher.spec_loader import spec_to_yaml
+
+WORKER_MODULE = "launcher.train.worker"
+
+
+def agent_config(
+    plan: LaunchPlan, on_round: Callable[[rendezvous.Round], None]
+) -> tuple[LaunchConfig, list[str]]:
+    """The elastic agent's configuration, and the arguments of the interpreter it starts:
+    the worker module and the one file that tells a worker everything (`--plan`).
+    `on_round` is called with each rendezvous round, before that round's workers start."""
+    nodes = plan.nodes
+    node = rendezvous.NodeConfig(
+        nproc=plan.nproc,
+        spec_digest=hashlib.sha256(spec_to_yaml(plan.spec).encode()).hexdigest()[:12],
+        node_rank=nodes.node_rank,
+        loopback=not nodes.multi,
+        on_round=on_round,
+    )
+    local = not nodes.multi or nodes.is_local
+    config = LaunchConfig(
+        min_nodes=nodes.min,
+        max_nodes=nodes.max,
+        nproc_per_node=plan.nproc,
+        # The same on every node; a single node's own, so that two runs never share one.
+        run_id=nodes.job_id if nodes.multi else f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=rendezvous.register(),
+        # One node: c10d's rendezvous on stores that listen on loopback only, each on a free
+        # port of its own (so two runs never race for one).
+        rdzv_endpoint=nodes.endpoint if nodes.multi else f"{rendezvous.LOOPBACK}:0",
+        rdzv_configs=node.rdzv_configs(),
+        # The address the other nodes reach this one at: the workers' MASTER_ADDR on node 0.
+        local_addr=rendezvous.LOOPBACK if local else None,
+        max_restarts=plan.spec.launch.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(RunLayout.agent_logs(plan.node_dir))),
+    )
+    argv = ["-u", "-m", WORKER_MODULE, "--plan", str(RunLayout.worker_plan(plan.node_dir))]
+    return config, argv
+
+
+class AgentThread(threading.Thread):
+    """The elastic agent, on a thread of its own: the main thread keeps the signals (a first
+    Ctrl-C stops the run gracefully, a second at once) and the watchdog."""
+
+    def __init__(self, config: LaunchConfig, argv: list[str]) -> None:
+        super().__init__(name="elastic-agent", daemon=True)
+        self.config, self.argv = config, argv
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            elastic_launch(self.config, sys.executable)(*self.argv)
+        except BaseException as exc:
+            self.error = exc
+
+
+def quiet_elastic(debug: bool) -> None:
+    # The agent's INFO/WARNING chatter repeats what the display shows; --debug brings it back.
+    level = logging.INFO if debug else logging.CRITICAL
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(level)

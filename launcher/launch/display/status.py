@@ -1,0 +1,120 @@
+"""The live status region: latest telemetry per rank as a small table, plus a status line.
+
+Telemetry lines are JSON objects written by the workers, e.g.
+``{"rank": 0, "step": 12, "max_steps": 200, "loss": 0.53, "samples_per_s": 1234.5,
+"elapsed_s": 3.2, "attempt": 0}``. Any key may be missing and extra keys are ignored.
+"""
+
+import json
+import math
+from collections.abc import Sequence
+from statistics import fmean
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from launcher.launch.display.lines import rank_style
+from launcher.launch.ranks import format_ranks
+
+FIELDS = ("step", "max_steps", "loss", "samples_per_s", "elapsed_s", "attempt")
+# Beyond this many ranks the rest share one summary row, so the region stays small.
+MAX_ROWS = 16
+
+
+def parse_telemetry(line: str) -> dict[str, float]:
+    """The known numeric fields of one telemetry line; {} for a line that is not JSON."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {
+        key: record[key]
+        for key in FIELDS
+        if isinstance(record.get(key), int | float) and not isinstance(record[key], bool)
+    }
+
+
+class TelemetryBoard:
+    """Latest known progress of each rank."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self._latest: dict[int, dict[str, float]] = {rank: {} for rank in ranks}
+
+    def update(self, rank: int, line: str) -> bool:
+        """Apply one telemetry line; returns whether it held anything usable."""
+        fields = parse_telemetry(line)
+        if fields:
+            # Merge, so a record that omits a key keeps the last value seen for it.
+            self._latest.setdefault(rank, {}).update(fields)
+        return bool(fields)
+
+    def latest(self, rank: int) -> dict[str, float]:
+        return dict(self._latest.get(rank, {}))
+
+    def render(self, title: str = "", status: str = "") -> RenderableType:
+        header = " · ".join(part for part in (title, status) if part)
+        table = self._table()
+        return Group(Text(header, style="bold"), table) if header else table
+
+    def _table(self) -> Table:
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+        for name in ("rank", "step", "loss", "samples/s", "elapsed"):
+            table.add_column(name, justify="right", no_wrap=True)
+        ranks = sorted(self._latest)
+        shown = ranks if len(ranks) <= MAX_ROWS else ranks[: MAX_ROWS - 1]
+        for rank in shown:
+            table.add_row(Text(str(rank), style=rank_style(rank)), *_cells(self._latest[rank]))
+        rest = ranks[len(shown) :]
+        if rest:
+            summary = _summarize([self._latest[rank] for rank in rest])
+            table.add_row(Text(format_ranks(rest), style="dim"), *_cells(summary))
+        return table
+
+
+def _summarize(records: list[dict[str, float]]) -> dict[str, float]:
+    """The slowest step, mean loss and throughput, and longest elapsed of several ranks."""
+    summary: dict[str, float] = {}
+    for key, combine in (
+        ("step", min),
+        ("max_steps", max),
+        ("loss", fmean),
+        ("samples_per_s", fmean),
+        ("elapsed_s", max),
+    ):
+        values = [record[key] for record in records if key in record]
+        if values:
+            summary[key] = combine(values)
+    return summary
+
+
+def _cells(record: dict[str, float]) -> tuple[str, str, str, str]:
+    step = _number(record.get("step"), "{:.0f}")
+    if "max_steps" in record and "step" in record:
+        step += f"/{record['max_steps']:.0f}"
+    loss = _number(record.get("loss"), "{:.4g}")
+    rate = record.get("samples_per_s")
+    rate_text = _number(rate, "{:,.0f}" if rate is not None and rate >= 100 else "{:.1f}")
+    return step, loss, rate_text, format_elapsed(record.get("elapsed_s"))
+
+
+def _number(value: float | None, spec: str) -> str:
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return str(value)
+    return spec.format(value)
+
+
+def format_elapsed(seconds: float | None) -> str:
+    """``3.2s``, ``4:05``, ``1:02:03``."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -1,0 +1,101 @@
+"""Running a `LaunchPlan` on this node: the run folder, the elastic agent, supervision, and
+what the launcher says at the end.
+
+One process per device, started by the same elastic agent that torchrun uses; each runs
+`launcher.train.worker --plan FILE`, which writes its own log file that the display follows.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.text import Text
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from launcher.errors import RunError
+from launcher.launch import failure_report
+from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
+from launcher.launch.plan import LaunchPlan
+from launcher.launch.run_folder import prepare_run_dir
+from launcher.launch.supervise import SIGNAL_EXIT, NodeView, Outcome, exit_now, supervise
+
+
+def execute(plan: LaunchPlan, console: Console | None = None) -> int:
+    """Runs the plan to the end and returns the process exit code."""
+    # Whatever the user's umask, nothing the run writes (folders, logs, checkpoints, by the
+    # launcher or its workers, who inherit this) is writable by other users.
+    os.umask(os.umask(0) | 0o002)
+    prepare_run_dir(plan)
+    # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
+    # Every node removes it before it joins, so never after the run has started.
+    plan.layout.stop_request.unlink(missing_ok=True)
+    console = console or Console()
+    quiet_elastic(plan.debug)
+    os.environ.update(plan.worker_env())  # the elastic agent passes its environment on
+    view = NodeView(plan, console)
+    config, argv = agent_config(plan, view.follow)
+    _announce(plan, console)
+    outcome = supervise(plan, AgentThread(config, argv), view, console)
+    return _conclude(outcome, plan, console)
+
+
+def _announce(plan: LaunchPlan, console: Console) -> None:
+    for note in plan.notes:
+        console.print(Text("warning: ", style="bold yellow") + Text(note), soft_wrap=True)
+    verb = "resuming" if plan.resume_from else "starting"
+    console.print(
+        f"{verb} {plan.spec.run.name}: {plan.devices.count} x {plan.accelerator}, "
+        f"strategy {plan.spec.launch.strategy}, run dir {plan.run_dir}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if plan.nodes.multi:
+        console.print(plan.nodes.describe(), highlight=False, soft_wrap=True)
+
+
+def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
+    logs = plan.layout.logs
+    if outcome.signals >= 2:
+        console.print(f"stopped at once by a second {outcome.signal_name}; logs in {logs}")
+        exit_now(outcome.exit_code_of_signal)
+    if outcome.stalls:
+        exit_now(failure_report.report_stall(outcome.stalls, plan, console))
+    error = outcome.error
+    if isinstance(error, ChildFailedError):
+        return failure_report.report_failure(error, plan, console)
+    if isinstance(error, SignalException):  # a signal the agent took (e.g. SIGHUP)
+        console.print(f"stopped by {error.sigval.name}; logs in {logs}")
+        return SIGNAL_EXIT.get(error.sigval.name, 1)
+    if error is not None:  # the rendezvous or the agent itself, not a worker
+        failure_report.explain_rendezvous_error(error, plan)
+        raise RunError(
+            f"torch.distributed.elastic failed: {type(error).__name__}: {error}",
+            hint="Run again with --debug to see its traceback and logs.",
+        ) from error
+    # A stop asked for elsewhere: a worker's own SIGTERM (SLURM signals every process), or
+    # another node's Ctrl-C when the nodes share the run folder.
+    if outcome.signals or plan.layout.stop_request.exists():
+        return _stopped(outcome, plan, console)
+    console.print(f"finished: {plan.run_dir}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
+    latest = plan.layout.latest_complete()
+    resume = "latest" if plan.nodes.job_id else str(plan.run_dir)
+    console.print(
+        (f"stopped by {outcome.signal_name}" if outcome.signals else "stopped on request")
+        + (
+            f"; saved {latest}. Continue with: --resume {resume}"
+            if latest
+            else " (checkpoints are off: nothing to resume)"
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )
+    return outcome.exit_code_of_signal if outcome.signals else 0
+
+
+__all__ = ["execute"]

@@ -1,0 +1,195 @@
+"""What the launcher says when a run ends badly: the root-cause panel (which rank failed,
+where, how in plain words, its traceback and the last lines of its log), a hang, and a
+rendezvous that failed. Built from what the failed worker left on disk, so it works for any
+failure, a Python exception or a SIGKILL from the kernel, with nothing to decorate."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.text import Text
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from launcher.errors import RunError, UsageError
+from launcher.launch import rendezvous
+from launcher.launch.plan import LaunchPlan
+from launcher.launch.ranks import format_ranks
+from launcher.launch.root_cause import root_cause
+from launcher.launch.watchdog import Stall, describe
+
+_SIGNALS = {
+    signal.SIGKILL: "killed (SIGKILL): most often the kernel's out-of-memory killer; "
+    "see `dmesg` or your scheduler's memory report",
+    signal.SIGSEGV: "segmentation fault (SIGSEGV): a crash in native code (an extension, "
+    "a driver, or a tensor used after its memory was freed)",
+    signal.SIGABRT: "aborted (SIGABRT): native code gave up, usually on a failed check",
+    signal.SIGBUS: "bus error (SIGBUS): often shared memory (/dev/shm) ran out",
+    signal.SIGFPE: "floating-point exception (SIGFPE): e.g. an integer division by zero",
+    signal.SIGILL: "illegal instruction (SIGILL): a binary built for another CPU",
+    signal.SIGTERM: "terminated (SIGTERM) from outside",
+    signal.SIGINT: "interrupted (SIGINT)",
+    signal.SIGHUP: "hung up (SIGHUP): its terminal or session went away",
+    signal.SIGPIPE: "broken pipe (SIGPIPE)",
+}
+_CODES = {
+    1: "exited with an error (exit code 1)",
+    2: "stopped on bad input (exit code 2)",
+}
+_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.MULTILINE)
+
+
+def describe_exit(code: int) -> str:
+    """An exit code as the elastic agent reports it (negative: killed by that signal)."""
+    if code < 0 or code > 128:
+        number = -code if code < 0 else code - 128
+        try:
+            sig = signal.Signals(number)
+        except ValueError:
+            return f"killed by signal {number}"
+        return _SIGNALS.get(sig, f"killed by {sig.name}")
+    return _CODES.get(code, f"exited with code {code}")
+
+
+def last_traceback(log: str) -> str | None:
+    """The last Python traceback in a log, through its exception line(s)."""
+    starts = list(_TRACEBACK.finditer(log))
+    if not starts:
+        return None
+    lines = log[starts[-1].start() :].splitlines()
+    for i, line in enumerate(lines[1:], start=1):
+        if line and not line[0].isspace():  # the exception line ends the traceback
+            return "\n".join(lines[: i + 1])
+    return "\n".join(lines)
+
+
+# What a rank says when a peer on another node is gone (gloo, NCCL, the TCP store).
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
+    r"|NCCL communicator was aborted|failed to recv, got 0 bytes"
+)
+
+
+def peer_lost(log_file: Path) -> bool:
+    """Whether a rank failed because a peer went away, not by itself."""
+    try:
+        log = log_file.read_text(errors="replace")
+    except OSError:
+        return False
+    detail = last_traceback(log) or ""
+    return bool(_PEER_LOST.search(detail))
+
+
+def _error_line(log: str) -> str | None:
+    found = [line for line in log.splitlines() if line.startswith("error: ")]
+    return found[-1] if found else None
+
+
+def failure_panel(
+    rank: int, host: str, code: int, log_file: Path, tail: int = 12, max_traceback: int = 16
+) -> Panel:
+    try:
+        log = log_file.read_text(errors="replace")
+    except OSError:
+        log = ""
+    parts: list[Text] = [
+        Text.assemble(("how: ", "bold"), describe_exit(code)),
+        Text.assemble(("log: ", "bold"), str(log_file)),
+    ]
+    detail = last_traceback(log) or _error_line(log)
+    if detail and detail.count("\n") > max_traceback:  # the innermost frames say the most
+        detail = "  ...\n" + "\n".join(detail.splitlines()[-max_traceback:])
+    if detail:
+        parts += [Text(""), Text(detail, style="red")]
+    lines = [line for line in log.splitlines() if line.strip()]
+    # Bad input (exit 2) is said in full by its error line; other failures get the context.
+    shown = [] if code == 2 else [line for line in lines[-tail:] if line not in (detail or "")]
+    if shown:
+        parts += [Text(""), Text(f"last lines of rank {rank}'s log:", style="bold")]
+        parts += [Text(line, style="dim") for line in shown]
+    return Panel(
+        Group(*parts),
+        title=Text(f"rank {rank} failed on {host}", style="bold red"),
+        title_align="left",
+        border_style="red",
+        expand=False,
+    )
+
+
+def report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) -> int:
+    rank, failure = root_cause(exc.failures, plan.run_dir)
+    code = failure.exitcode
+    log = plan.layout.log(rank)
+    if plan.nodes.multi and peer_lost(log):
+        console.print(
+            Text("lost another node: ", style="bold red")
+            + Text(
+                f"rank {rank} on this node lost its connection to ranks on another node. The "
+                "cause is most likely there: see that node's output (on shared storage, its "
+                f"ranks' logs are in {plan.layout.logs})."
+            ),
+            soft_wrap=True,
+        )
+    console.print(failure_panel(rank, socket.gethostname(), code, log))
+    others = sorted(set(exc.failures) - {rank})
+    failed = [r for r in others if exc.failures[r].exitcode > 0]
+    stopped = [r for r in others if r not in failed]
+    also = "; ".join(
+        f"{label}: ranks {format_ranks(ranks)}"
+        for label, ranks in (("also failed", failed), ("stopped because of it", stopped))
+        if ranks
+    )
+    if also:
+        console.print(also, highlight=False)
+    if plan.spec.launch.max_restarts:
+        console.print(f"gave up after {plan.spec.launch.max_restarts} restart(s)")
+    # A worker's own usage error (exit 2) is still the user's input to fix.
+    return code if code in (1, 2) else (128 - code if code < 0 else 1)
+
+
+def explain_rendezvous_error(error: BaseException, plan: LaunchPlan) -> None:
+    """Rendezvous failures in the words of the flags that set them up."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    nodes = plan.nodes
+    if isinstance(error, rendezvous.NodeMismatch):
+        raise UsageError(f"the nodes of job {nodes.job_id} do not match: {error}") from error
+    if isinstance(error, RendezvousTimeoutError) and nodes.multi:
+        raise RunError(
+            f"gave up waiting for {nodes.min} nodes at {nodes.endpoint} (job {nodes.job_id})",
+            hint="Start the missing nodes with the same command (after a failure, with "
+            "--resume latest), or check that they reach the endpoint.",
+        ) from error
+    if isinstance(error, RendezvousConnectionError) and nodes.multi:
+        hosting = nodes.node_rank == 0
+        raise RunError(
+            f"--rdzv-endpoint {nodes.endpoint}: "
+            + ("node 0 cannot host the rendezvous there" if hosting else "cannot reach it")
+            + f" ({error.__cause__ or error})",
+            hint="Choose a port that is free on node 0, the same on every node."
+            if hosting
+            else "Start node 0 (--node-rank 0) on that host, and check that the port is open "
+            "between the nodes.",
+        ) from error
+
+
+def report_stall(stalls: list[Stall], plan: LaunchPlan, console: Console) -> int:
+    timeout = plan.spec.launch.stall_timeout
+    console.print(
+        Text(f"stopped: no progress for {timeout:g} s (launch.stall_timeout)", style="bold red")
+    )
+    for stall in sorted(stalls, key=lambda s: s.rank):
+        console.print(describe(stall), highlight=False, soft_wrap=True)
+    console.print(
+        f"Every stalled rank's Python stack is in its log ({plan.layout.logs}).",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return 1

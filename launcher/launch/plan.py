@@ -1,0 +1,217 @@
+"""From a validated spec and the command line to a `LaunchPlan`: plain, resolved values.
+
+Nothing here starts a process or writes a file, so every decision can be unit-tested.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher import run_layout
+from launcher.checkpoint_format import read_metadata
+from launcher.errors import UsageError
+from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
+from launcher.launch.nodes import Nodes
+from launcher.launch.ranks import parse_ranks
+from launcher.launch.tpu_pod import host_index
+from launcher.run_layout import RunLayout
+from launcher.spec import RunSpec
+from launcher.strategy_registry import strategy_info, worker_env
+from launcher.worker_plan import WorkerPlan
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    spec: RunSpec
+    run_dir: Path
+    accelerator: str  # "cpu", "gpu" or "tpu": never "auto"
+    devices: Devices  # this node's devices, processes and replicas
+    resume_from: Path | None  # a complete checkpoint folder
+    show_ranks: frozenset[int] | None  # --ranks display filter; None shows every rank
+    omp_threads: int
+    debug: bool = False
+    notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
+    host_index: int = 0  # a TPU pod's host: its processes' ranks come after the hosts before it
+    nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
+
+    @property
+    def nproc(self) -> int:
+        """Worker processes the elastic agent starts on this node."""
+        return self.devices.processes
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment the workers start with, on top of the launcher's own (which wins for
+        the defaults below, so a user's setting is kept)."""
+        env = {
+            "OMP_NUM_THREADS": str(self.omp_threads),
+            **worker_env(self.spec.launch.strategy, self.accelerator),
+        }
+        env = {k: os.environ.get(k, v) for k, v in env.items()}
+        return env | self.devices.env  # the device count is the plan's, not a leftover's
+
+    def worker_plan(self) -> WorkerPlan:
+        """What this node's workers are told (the only thing they are told)."""
+        spawn = strategy_info(self.spec.launch.strategy).processes == "xla_spawn"
+        return WorkerPlan(
+            run_dir=self.run_dir,
+            spec=self.spec.model_dump(mode="json", by_alias=True),
+            accelerator=self.accelerator,
+            xla_spawn=("all" if self.devices.spawn_all else "1") if spawn else None,
+            rank_offset=self.rank_offset,
+            resume_from=self.resume_from,
+            compile_cache=self.layout.xla_cache if self._caches_compiles else None,
+        )
+
+    @property
+    def _caches_compiles(self) -> bool:
+        # XLA's CPU client cannot load the executables it serialises: TPUs only.
+        tpu = self.accelerator == "tpu" and xla_device_type() == "TPU"
+        return tpu and self.spec.xla.compile_cache
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.run_dir)
+
+    @property
+    def node_dir(self) -> Path:
+        """This node's own files (spec copy, worker plan, agent logs) when the run folder is
+        shared by several nodes or TPU hosts; the run folder itself for a run of one machine."""
+        if self.nodes.multi:
+            return self.layout.node(self.nodes.node_rank, elastic=True)
+        return self.layout.node(tpu_host=self.host_index)
+
+    @property
+    def writes_shared_files(self) -> bool:
+        """Whether this node writes the run's own files (spec.yaml): node 0 only."""
+        if self.nodes.multi:
+            return self.nodes.node_rank == 0
+        return self.host_index == 0
+
+    @property
+    def rank_offset(self) -> int:
+        """The global rank of this host's first log on a TPU pod (torch_xla numbers hosts'
+        devices one host after the other); 0 elsewhere."""
+        return self.host_index * self.devices.replica_logs
+
+
+def make_plan(
+    spec: RunSpec,
+    *,
+    run_dir: Path | None = None,
+    resume: str | None = None,
+    ranks: str | None = None,
+    debug: bool = False,
+    nodes: Nodes | None = None,
+) -> LaunchPlan:
+    nodes = nodes or Nodes()
+    # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
+    # exactly for the strategies that run on nothing else.
+    tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
+    if nodes.multi and (spec.launch.accelerator == "tpu" or tpu_only):
+        raise UsageError(
+            f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
+            "same train command, without --nnodes, on every host of the pod",
+            hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
+            "(README: TPU pods).",
+        )
+    accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
+    _check_options(spec, accelerator)
+    devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
+    spec, notes = _resolved(spec, accelerator, devices)
+    on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
+    run_dir, resume_from = _run_and_resume(spec, nodes, run_dir, resume)
+    try:
+        show = parse_ranks(ranks) if ranks else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return LaunchPlan(
+        spec=spec,
+        run_dir=run_dir,
+        accelerator=accelerator,
+        devices=devices,
+        resume_from=resume_from,
+        show_ranks=show,
+        omp_threads=_omp_threads(accelerator, devices.processes),
+        debug=debug,
+        notes=notes,
+        host_index=host_index(os.environ) if on_tpu else 0,
+        nodes=nodes,
+    )
+
+
+def _check_options(spec: RunSpec, accelerator: str) -> None:
+    """Options that the resolved accelerator or the strategy cannot honour."""
+    if spec.launch.strategy == "fsdp" and spec.fsdp.cpu_offload and accelerator != "gpu":
+        raise UsageError(
+            "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "
+            f"--accelerator gpu (this run is on {accelerator}, where they already are)"
+        )
+    info = strategy_info(spec.launch.strategy)
+    if spec.checkpoint.async_ and not info.async_checkpoints:
+        raise UsageError(
+            f"checkpoint.async: not available with strategy {spec.launch.strategy}; its "
+            "checkpoints are written synchronously",
+            hint="Set checkpoint.async=false.",
+        )
+    if accelerator == "tpu" and spec.train.precision == "fp16":
+        raise UsageError(
+            "train.precision: fp16 is not supported on TPU",
+            hint="Use bf16: TPUs compute in it natively, and it needs no loss scaling.",
+        )
+
+
+def _resolved(spec: RunSpec, accelerator: str, devices: Devices) -> tuple[RunSpec, tuple[str, ...]]:
+    """The spec as this run runs it (spec.yaml and the worker plan say the same): no `auto`
+    left, and what the accelerator forces; with a warning for each forced value."""
+    launch = {"accelerator": accelerator, "devices": devices.count}
+    update: dict[str, object] = {"launch": spec.launch.model_copy(update=launch)}
+    notes: list[str] = []
+    if accelerator == "tpu" and not spec.data.drop_last:
+        # A short last batch is a new input shape, and every new shape is a new XLA compile.
+        update["data"] = spec.data.model_copy(update={"drop_last": True})
+        notes.append(
+            "data.drop_last=false is ignored on TPU: a short last batch would be a new shape, "
+            "and XLA would compile the whole step again for it"
+        )
+    return spec.model_copy(update=update), tuple(notes)
+
+
+def _run_and_resume(
+    spec: RunSpec, nodes: Nodes, run_dir: Path | None, resume: str | None
+) -> tuple[Path, Path | None]:
+    """The run folder and the checkpoint the first attempt resumes from."""
+    output_dir, name = Path(spec.run.output_dir), spec.run.name
+    if nodes.job_id is None:
+        resume_from = _resume_point(resume, output_dir, name)
+        return run_layout.own_run(output_dir, name, run_dir, resume_from), resume_from
+    run_dir = run_dir or run_layout.job_run_dir(output_dir, name, nodes.job_id)
+    # `latest` for a job is the job's own newest checkpoint, or none yet: a requeued job that
+    # was stopped before its first save starts over, in its own folder.
+    latest = resume == "latest"
+    resume_from = (
+        run_layout.latest_complete(run_dir) if latest else _resume_point(resume, output_dir, name)
+    )
+    run_layout.check_job_run(run_dir, nodes.job_id, resume_from, latest)
+    return run_dir, resume_from
+
+
+def _resume_point(resume: str | None, output_dir: Path, name: str) -> Path | None:
+    if resume is None:
+        return None
+    resume_from = run_layout.resolve_resume(resume, output_dir, name)
+    read_metadata(resume_from)  # a corrupt checkpoint is refused here, before any process
+    return resume_from
+
+
+def _omp_threads(accelerator: str, nproc: int) -> int:
+    if "OMP_NUM_THREADS" in os.environ:
+        value = os.environ["OMP_NUM_THREADS"]
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"OMP_NUM_THREADS={value!r}: expected a positive number, or unset it")
+        return int(value)
+    if accelerator == "cpu":
+        # Oversubscribed cores make every replica slower than fewer threads would.
+        return max(1, (os.cpu_count() or 1) // nproc)
+    return 1

@@ -1,0 +1,48 @@
+"""Which rank failed first, by itself: the one the failure report is about."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+from launcher.run_layout import RunLayout
+
+
+def root_cause(failures: dict[int, Any], run_dir: Path | None = None) -> tuple[int, Any]:
+    """The rank that failed first by itself, not one that failed or was stopped because of it.
+
+    A rank killed by a signal from outside (SIGKILL by the OOM killer, SIGSEGV) comes first:
+    its peers only see their connections drop. Then ranks that raised, by the time each one
+    recorded (the agent's own timestamps are whole seconds); ranks the agent stopped, last.
+    """
+    failed_at = failure_times(run_dir) if run_dir else {}
+    # Only this attempt's records: an earlier attempt's rank had another pid.
+    failed_at = {
+        r: t for r, (t, pid) in failed_at.items() if r in failures and failures[r].pid == pid
+    }
+
+    def order(item: tuple[int, Any]) -> tuple[int, float, int]:
+        rank, failure = item
+        code = failure.exitcode
+        if code < 0 and code != -signal.SIGTERM:
+            kind = 0
+        elif code > 0:
+            kind = 1
+        else:
+            kind = 2
+        return kind, failed_at.get(rank, float(failure.timestamp)), rank
+
+    return min(failures.items(), key=order)
+
+
+def failure_times(run_dir: Path) -> dict[int, tuple[float, int]]:
+    """{rank: (when it failed, its pid)} from the records failed workers left."""
+    times: dict[int, tuple[float, int]] = {}
+    for path in RunLayout(run_dir).failures():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            record = json.loads(path.read_text())
+            times[int(record["rank"])] = (float(record["failed_at"]), int(record["pid"]))
+    return times

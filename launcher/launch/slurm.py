@@ -1,0 +1,171 @@
+"""SLURM: where a run's nodes come from inside an allocation, and a ready `sbatch` script.
+
+Inside `srun` (one task per node), the node count, this node's rank and the rendezvous host
+come from SLURM's environment, so `srun train --config x.yaml` needs no flags.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from launcher.errors import UsageError
+
+DEFAULT_PORT = 29500
+_BRACKET = re.compile(r"\[([^\]]+)\]")
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compressed host lists: `node[01-04,07],gpu3` -> node01..node04, node07, gpu3.
+    Several bracket groups in one name (`rack[1-2]-n[1-2]`) expand as a product."""
+    hosts: list[str] = []
+    for name in _split_top_level(hostlist):
+        hosts += _expand_one(name)
+    return hosts
+
+
+def _split_top_level(hostlist: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in hostlist:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    if depth != 0:
+        raise ValueError(f"unbalanced brackets in host list {hostlist!r}")
+    return [p for p in [*parts, current] if p]
+
+
+def _expand_one(name: str) -> list[str]:
+    match = _BRACKET.search(name)
+    if match is None:
+        return [name]
+    head, tail = name[: match.start()], name[match.end() :]
+    out = []
+    for item in match[1].split(","):
+        low, _, high = item.partition("-")
+        if not high:
+            numbers = [low]
+        else:
+            if int(high) < int(low):
+                raise ValueError(f"descending range {item!r} in host list")
+            numbers = [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+        for number in numbers:
+            out += _expand_one(head + number + tail)
+    return out
+
+
+def check_one_task_per_node(env: Mapping[str, str]) -> None:
+    """`train` starts a process per device itself: several SLURM tasks on one node would each
+    start them all, on the same devices."""
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or ""
+    counts = [int(part.split("(")[0]) for part in layout.split(",") if part[:1].isdigit()]
+    if any(count > 1 for count in counts):
+        raise UsageError(
+            f"SLURM runs {max(counts)} tasks on a node (SLURM_STEP_TASKS_PER_NODE={layout}); "
+            "train starts one process per device itself, so it needs one task per node",
+            hint="srun --ntasks-per-node=1 train --config ...",
+        )
+
+
+@dataclass(frozen=True)
+class SlurmNodes:
+    nnodes: int
+    node_rank: int
+    master: str  # the first node of the allocation hosts the rendezvous
+    port: int
+    job_id: str
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.master}:{self.port}"
+
+
+def from_environment(env: Mapping[str, str]) -> SlurmNodes | None:
+    """The job step this process is a task of (started by `srun`), or None: outside SLURM,
+    and in a batch script itself, whose shell is no task of a step."""
+    job = env.get("SLURM_JOB_ID")
+    nodelist = env.get("SLURM_STEP_NODELIST")
+    if not job or not nodelist or "SLURM_STEP_ID" not in env or "SLURM_NODEID" not in env:
+        return None
+    hosts = expand_hostlist(nodelist)
+    # The step's nodes, not the allocation's: `srun -N2` may run in a 4-node allocation.
+    nnodes = int(env.get("SLURM_STEP_NUM_NODES") or len(hosts))
+    # A fixed port per job: every node computes the same one, and two jobs sharing a first
+    # node do not collide. MASTER_PORT, when set, wins.
+    port = int(env.get("MASTER_PORT") or DEFAULT_PORT + int(job) % 1000)
+    return SlurmNodes(nnodes, int(env["SLURM_NODEID"]), hosts[0], port, job)
+
+
+_SCRIPT = """#!/bin/bash
+{header}
+
+# One `train` per node, each starting a process per GPU; the node count, node rank and
+# rendezvous (on the first node) come from SLURM. Submit from the folder the config's paths
+# are relative to, with `train` on the PATH (sbatch passes your environment on).
+#
+# The run folder is <run.output_dir>/<run.name>/<job id>, on storage every node sees.
+# --resume latest continues it from its newest checkpoint when it has one (a requeued job
+# keeps its id, and so its folder), and starts it when it has none.
+#
+# 120 s before the time limit (and on preemption) SLURM sends SIGTERM: every rank finishes
+# its step and saves a checkpoint, train exits with 143, and the job requeues itself.
+{cpus}trap 'echo "$(date): SIGTERM: train is saving a checkpoint"' TERM
+srun --kill-on-bad-exit=1 {train} &
+srun_pid=$!
+while kill -0 "$srun_pid" 2>/dev/null; do
+  wait "$srun_pid"  # a trapped SIGTERM ends a wait early; srun goes on saving
+done
+wait "$srun_pid"
+code=$?
+if [ "$code" -eq 143 ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$code"
+"""
+
+
+def sbatch_script(
+    config: str,
+    nodes: int,
+    gpus_per_node: int,
+    name: str,
+    *,
+    partition: str | None = None,
+    time: str | None = None,
+    account: str | None = None,
+    cpus_per_task: int | None = None,
+    extra_args: list[str] | None = None,
+) -> str:
+    """A batch script that runs `train` on `nodes` nodes and survives preemption and the time
+    limit: SLURM's SIGTERM makes every rank save a checkpoint (train exits 143), the job
+    requeues itself, and the requeued job (same job id, same run folder) resumes there."""
+    train = shlex.join(
+        ["train", "--config", config, "--accelerator", "gpu", "--devices", str(gpus_per_node)]
+    )
+    # The job id names the run folder, so a requeued job (same id) finds its own again.
+    train += ' --rdzv-id "$SLURM_JOB_ID" --resume latest'
+    if extra_args:
+        train += " " + shlex.join(extra_args)
+    options = [
+        f"--job-name={name}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        f"--gpus-per-node={gpus_per_node}",
+        *([f"--partition={partition}"] if partition else []),
+        *([f"--account={account}"] if account else []),
+        *([f"--time={time}"] if time else []),
+        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
+        "--requeue",
+        "--signal=TERM@120",
+        "--open-mode=append",
+        "--output=%x-%j.out",
+    ]
+    header = "\n".join(f"#SBATCH {option}" for option in options)
+    # srun no longer passes --cpus-per-task on to its tasks by itself (SLURM 22.05+).
+    cpus = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK\n" if cpus_per_task else ""
+    return _SCRIPT.format(header=header, cpus=cpus, train=train)

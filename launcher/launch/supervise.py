@@ -1,0 +1,167 @@
+"""Supervising a running node: the elastic agent's thread, signals, the live display and the
+hang watchdog, until the workers end, hang, or are stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import psutil
+from rich.console import Console
+
+from launcher.launch import rendezvous
+from launcher.launch.agent import AgentThread
+from launcher.launch.display import RunDisplay
+from launcher.launch.plan import LaunchPlan
+from launcher.launch.ranks import format_ranks
+from launcher.launch.watchdog import Stall, Watchdog
+from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
+
+SIGNAL_EXIT = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}
+
+
+@dataclass
+class Outcome:
+    """How supervision ended: the agent's error (None: the workers finished), or the signals
+    taken, or the ranks that hung."""
+
+    error: BaseException | None = None
+    signals: int = 0  # SIGINT, SIGTERM and SIGHUP taken
+    signal_name: str = ""
+    stalls: list[Stall] = field(default_factory=list)
+
+    @property
+    def exit_code_of_signal(self) -> int:
+        return SIGNAL_EXIT.get(self.signal_name, 1)
+
+
+def supervise(plan: LaunchPlan, agent: AgentThread, view: NodeView, console: Console) -> Outcome:
+    """Runs the agent until its workers end. A first signal asks every rank to finish its
+    step and save (the stop-request file); a second one, or a hang, kills every worker."""
+    stop_request = plan.layout.stop_request
+    with view, Signals() as signals:
+        agent.start()
+        while agent.is_alive():
+            agent.join(0.2)
+            if signals.received == 1 and not signals.forwarded:
+                signals.forwarded = True
+                stop_request.touch()
+                save = " and saves a checkpoint" if plan.spec.checkpoint.enabled else ""
+                console.print(
+                    f"{signals.name}: every rank finishes its step{save}; "
+                    "press Ctrl-C again to stop at once",
+                    style="yellow",
+                )
+            stalls = [] if signals.received >= 2 else view.stalls()
+            if signals.received >= 2 or stalls:
+                kill_workers()
+                return Outcome(None, signals.received, signals.name, stalls)
+    return Outcome(agent.error, signals.received, signals.name)
+
+
+class NodeView:
+    """The display and the hang watchdog of this node's ranks. Which global ranks those are
+    is known once a rendezvous round gives the node its group rank, and may change from one
+    round to the next in an elastic run; `follow` is called before each round's workers."""
+
+    def __init__(self, plan: LaunchPlan, console: Console) -> None:
+        self.plan, self.console = plan, console
+        self.ranks: range | None = None
+        self._display: RunDisplay | None = None
+        self._watchdog: Watchdog | None = None
+        self._lock = threading.Lock()
+
+    def follow(self, round: rendezvous.Round) -> None:
+        plan = self.plan
+        first = round.group_rank * plan.devices.replica_logs + plan.rank_offset
+        ranks = range(first, first + plan.devices.replica_logs)
+        # Left by an earlier attempt: a stale heartbeat would look like a stalled rank.
+        for rank in ranks:
+            plan.layout.beat(rank).unlink(missing_ok=True)
+        with self._lock:
+            self._watchdog = Watchdog(plan.run_dir, ranks, plan.spec.launch.stall_timeout)
+            if ranks == self.ranks:
+                return
+            if self._display is not None:
+                self._display.stop()
+            if plan.nodes.multi:
+                self.console.print(
+                    f"node {round.group_rank} of {round.nodes} ({socket.gethostname()}): "
+                    f"ranks {format_ranks(ranks)} of {round.nodes * len(ranks)}",
+                    highlight=False,
+                )
+            self.ranks = ranks
+            self._display = RunDisplay(
+                plan.run_dir,
+                ranks=ranks,
+                show=plan.show_ranks,
+                console=self.console,
+                title=plan.spec.run.name,
+            )
+            self._display.start()
+
+    def stalls(self) -> list[Stall]:
+        with self._lock:
+            return self._watchdog.check() if self._watchdog else []
+
+    def __enter__(self) -> NodeView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            if self._display is not None:
+                self._display.stop()
+
+
+class Signals:
+    """Counts SIGINT, SIGTERM and SIGHUP while the run is going."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.name = ""
+        self.forwarded = False
+        self._at = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        repeated = now - self._at < SIGTERM_REPEAT_WINDOW_S
+        if signum == signal.SIGTERM and self.name == "SIGTERM" and repeated:
+            return
+        self.received += 1
+        self.name = signal.Signals(signum).name
+        self._at = now
+
+    def __enter__(self) -> Signals:
+        # SIGHUP: the terminal or ssh session went away; treated as a request to stop.
+        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the launcher while the elastic agent's thread is still inside torch: a normal
+    interpreter exit would tear down its C++ objects under it and abort (SIGABRT)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def kill_workers() -> None:
+    """Every process this launcher started, and theirs (spawned replicas, data workers)."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(children, timeout=10)

@@ -1,0 +1,108 @@
+"""Sharding the user's dataset across replicas; recipes never write samplers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from launcher.errors import UsageError
+from launcher.spec import DataSection
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way through an epoch, so a resumed run sees
+    exactly the samples an uninterrupted run would have seen next."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self._skip = min(skip, self.num_samples)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self._skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self._skip
+
+
+def build_loader(
+    dataset: Dataset,
+    data: DataSection,
+    rank: int,
+    world_size: int,
+    seed: int,
+    pin_memory: bool,
+    devices_per_process: int = 1,
+) -> DataLoader:
+    """This process's loader: `data.batch_size` samples for each device it drives."""
+    try:
+        size = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(
+            "recipe: build_dataset() must return a map-style Dataset with __len__ "
+            "(iterable datasets cannot be sharded by a sampler)"
+        ) from None
+    batch_size = data.batch_size * devices_per_process
+    if size < batch_size * world_size and data.drop_last:
+        raise UsageError(
+            f"data.batch_size: {size} samples cannot fill one batch of {data.batch_size} "
+            f"on each of {world_size * devices_per_process} replicas; lower data.batch_size "
+            "or set data.drop_last=false"
+        )
+    sampler = ResumableSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=data.shuffle,
+        seed=seed,
+        drop_last=data.drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=data.num_workers,
+        drop_last=data.drop_last,
+        pin_memory=pin_memory,
+        # Workers restart each epoch and are seeded by start_epoch(), so a resumed epoch's
+        # workers get the same seeds as the original's (persistent ones would keep old seeds).
+        persistent_workers=False,
+        generator=torch.Generator(),
+    )
+
+
+def start_epoch(loader: DataLoader, epoch: int, skip_samples: int, seed: int, rank: int) -> None:
+    """Positions the loader at `skip_samples` into this replica's share of `epoch`."""
+    loader.sampler.set_epoch(epoch, skip=skip_samples)  # type: ignore[attr-defined]
+    # DataLoader worker seeds are drawn from this generator: make them a function of the epoch.
+    assert loader.generator is not None
+    loader.generator.manual_seed(((seed * 1_000_003 + epoch) * 65_537 + rank) % 2**63)
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    items = batch.values() if isinstance(batch, dict) else batch
+    for item in items:
+        if isinstance(item, (torch.Tensor, dict, list, tuple)):
+            return batch_size(item)
+    raise UsageError("recipe: a batch holds no tensor; build_dataset items must contain tensors")
+
+
+def steps_per_epoch(batches: int, accum: int) -> int:
+    """Optimizer steps in an epoch of `batches` micro-batches per replica."""
+    steps = batches // accum
+    if steps == 0:
+        raise UsageError(
+            f"train.grad_accum_steps: {accum} micro-batches per step, "
+            f"but an epoch has only {batches} per replica; lower it or data.batch_size"
+        )
+    return steps

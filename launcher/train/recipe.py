@@ -1,0 +1,182 @@
+"""Importing a user's recipe: a `.py` file anywhere on disk, or a dotted module.
+
+A recipe defines:
+  build_model(**model) -> nn.Module
+  build_dataset(split, **dataset) -> torch.utils.data.Dataset
+  loss(model, batch) -> Tensor | (Tensor, dict of metrics)
+and may define `state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a
+checkpoint must keep (tensors, numbers, strings, lists and dicts of them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from launcher.errors import UsageError
+from launcher.train.rng import seed_everything
+
+REQUIRED = ("build_model", "build_dataset", "loss")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    source: str
+    module: ModuleType
+
+    def build_model(self, **kwargs: Any) -> torch.nn.Module:
+        model = call_user("recipe.model", self.module.build_model, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(
+                f"{self.source}: build_model() returned {type(model).__name__}, expected an nn.Module"
+            )
+        return model
+
+    def build_dataset(self, split: str, **kwargs: Any) -> torch.utils.data.Dataset:
+        return call_user("recipe.dataset", self.module.build_dataset, split, **kwargs)
+
+    def defines_init(self, model: torch.nn.Module) -> bool:
+        """Whether the recipe or the model has an explicit `init_weights`."""
+        return callable(getattr(self.module, "init_weights", None)) or callable(
+            getattr(model, "init_weights", None)
+        )
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        """The recipe's `init_weights(model)`, else the model's own `init_weights()`, else every
+        submodule's `reset_parameters()` (what their constructors ran)."""
+        if callable(getattr(self.module, "init_weights", None)):
+            self.module.init_weights(model)
+        elif callable(getattr(model, "init_weights", None)):
+            model.init_weights()  # type: ignore[operator]
+        else:
+            for module in model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()  # type: ignore[operator]
+
+    def state_dict(self) -> Any:
+        """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
+        hook = getattr(self.module, "state_dict", None)
+        return hook() if callable(hook) else None
+
+    def load_state_dict(self, state: Any) -> None:
+        hook = getattr(self.module, "load_state_dict", None)
+        if callable(hook) and state is not None:
+            hook(state)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The recipe's loss, always as (loss, metrics)."""
+        out = self.module.loss(model, batch)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        return loss, dict(metrics)
+
+
+@dataclass(frozen=True)
+class WeightInit:
+    """How weights get their first values, the same whichever strategy builds the model.
+
+    The generators are reset to `seed` first, so a model built on CPU and one materialised
+    shard by shard from the meta device draw the same numbers. A model built for real keeps
+    its constructor's values unless the recipe defines `init_weights` explicitly.
+    """
+
+    recipe: Recipe
+    seed: int
+
+    def needed_after_build(self, model: torch.nn.Module) -> bool:
+        return self.recipe.defines_init(model)
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        seed_everything(self.seed)
+        self.recipe.init_weights(model)
+
+
+def load_recipe(source: str) -> Recipe:
+    """Import `source` and check it has what the launcher calls.
+
+    A failure inside the user's own module shows their traceback: it is their bug to fix.
+    """
+    try:
+        module = _import(source)
+    except UsageError:
+        raise
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else source
+        code = (exc.text or "").rstrip("\n")
+        caret = " " * max(0, (exc.offset or 1) - 1 - (len(code) - len(code.lstrip()))) + "^"
+        raise UsageError(
+            f"recipe.source: {where}: {exc.msg}",
+            details=[code.strip(), caret] if code.strip() else [],
+        ) from None
+    except Exception as exc:
+        # Only the user's frames: the launcher's and importlib's say nothing about their bug.
+        frames = [
+            f
+            for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith(("<frozen", str(Path(__file__).parent)))
+        ]
+        lines = traceback.format_list(frames) + traceback.format_exception_only(exc)
+        raise UsageError(
+            f"recipe.source: importing {source} failed:", details=["".join(lines).rstrip()]
+        ) from None
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise UsageError(
+            f"recipe.source: {source} does not define {', '.join(missing)}",
+            hint="A recipe defines build_model(**model), build_dataset(split, **dataset) "
+            "and loss(model, batch); see the README's 'Write your own recipe'.",
+        )
+    return Recipe(source, module)
+
+
+def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a recipe function, turning a bad keyword into a short message that names the key."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        # Only a TypeError raised by the call itself is about the arguments; one from deeper
+        # down is the recipe's own bug and keeps its traceback.
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_next is None:
+            raise UsageError(f"{what}: {exc}") from None
+        raise
+
+
+def _import(source: str) -> ModuleType:
+    if source.endswith(".py"):
+        path = Path(source)
+        if not path.is_file():
+            raise UsageError(
+                f"recipe.source: {source} does not exist",
+                hint="Paths in a YAML file are relative to that file.",
+            )
+        # A recipe may import its sibling modules, as a script would.
+        sys.path.insert(0, str(path.parent))
+        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    # Workers run with `python -m`, which puts the working directory on sys.path; a console
+    # script does not, and `train validate` must import what the workers will.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(source)
+    except ModuleNotFoundError as exc:
+        if exc.name and (source == exc.name or source.startswith(exc.name + ".")):
+            raise UsageError(
+                f"recipe.source: no module named {source!r}",
+                hint="Give a path to a .py file, or a module importable from the working directory.",
+            ) from None
+        raise

@@ -1,0 +1,25 @@
+"""Backends behind one interface (`Strategy`). Each lives in its own module, imported on demand
+(the registry names it) so that e.g. torch_xla is only imported by the XLA strategies."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from launcher.spec import RunSpec
+from launcher.strategy_registry import strategy_info
+from launcher.train.strategies.base import Strategy
+
+
+def build_strategy(spec: RunSpec, accelerator: str, compile_cache: Path | None = None) -> Strategy:
+    """The spec's strategy; `compile_cache` is where the launcher enabled XLA's persistent
+    compile cache (on TPUs only, so only the XLA strategies are ever handed one)."""
+    info = strategy_info(spec.launch.strategy)
+    options = (getattr(spec, info.section),) if info.section else ()
+    cache = {"compile_cache": compile_cache} if compile_cache else {}
+    return getattr(importlib.import_module(info.module), info.cls)(
+        accelerator, spec.train.precision, *options, **cache
+    )
+
+
+__all__ = ["Strategy", "build_strategy"]

@@ -1,0 +1,182 @@
+"""The strategy interface: everything the training loop asks of a backend.
+
+The loop calls these methods and never asks which backend it is. A new backend is one module
+with one subclass, plus its entry in `launcher.strategy_registry` (the name `launch.strategy`
+takes, its accelerators, how its processes start; a test checks the spec's names against it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from launcher.train import rng
+from launcher.train.recipe import WeightInit
+
+
+class Strategy(ABC):
+    name: str
+    rank: int = 0  # this process among all training processes
+    world_size: int = 1  # training processes
+    # Devices one process drives: 1, except under XLA SPMD (every device of the host). The
+    # loader of a process yields `data.batch_size * devices_per_process` samples per batch.
+    devices_per_process: int = 1
+    device: torch.device
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Join the process group and pick this replica's device."""
+
+    def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
+        """Build the recipe's model (`factory`), initialise it (`init`), place it and make it
+        distributed."""
+        model = factory()
+        if init.needed_after_build(model):
+            init(model)
+        return self.wrap_model(model)
+
+    @abstractmethod
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Place a built model on the device and make it distributed."""
+
+    def loader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        """Where batches come from; a backend may prefetch onto its device."""
+        return (self.to_device(batch) for batch in loader)
+
+    def to_device(self, batch: Any) -> Any:
+        non_blocking = self.device.type == "cuda"
+        return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
+
+    @abstractmethod
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The mixed-precision context of the forward pass and loss."""
+
+    def sync_gradients(
+        self, model: nn.Module, sync: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-step's forward and backward; `sync=False` skips the gradient
+        all-reduce on all but the last micro-step of an accumulated step."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
+    ) -> torch.Tensor | None:
+        """Clip (when max_norm is set), step and zero the gradients; returns the grad norm."""
+
+    @abstractmethod
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean of a small tensor of metrics over all replicas."""
+
+    def on_step_end(self, step: int) -> None:  # noqa: B027 (an optional hook)
+        """Called after optimizer step `step` (XLA cuts and runs its graph here)."""
+
+    def read(self, values: torch.Tensor, then: Callable[[list[float]], None]) -> None:
+        """Hands the host values of a small device tensor to `then`. A backend that runs
+        asynchronously (XLA) calls `then` once the step that computes them has run, instead
+        of stalling the loop here."""
+        then(values.tolist())
+
+    def drain(self) -> None:  # noqa: B027 (an optional hook)
+        """Waits until queued device work and every pending `read` are done."""
+
+    def seed(self, seed: int) -> None:
+        """Seeds every random number generator of this process, the device's included."""
+        rng.seed_everything(seed)
+
+    def rng_state(self) -> dict[str, Any]:
+        return rng.rng_state()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        rng.set_rng_state(state)
+
+    def save_planner(self) -> Any:
+        """torch.distributed.checkpoint's save planner for this backend's tensors (None: DCP's
+        default)."""
+        return None
+
+    def load_planner(self) -> Any:
+        """DCP's load planner; it must never unpickle anything but tensors and plain data."""
+        from launcher.checkpoint_format import weights_only_planner
+
+        return weights_only_planner()
+
+    def optimizer_defaults(self) -> dict[str, Any]:
+        """Optimizer options this backend needs, where the optimizer has them (the user's
+        `optim.kwargs` win)."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """Backend figures for the end of the run (summary.json and the last line)."""
+        return {}
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def control_group(self) -> Any:
+        """A CPU (gloo) process group for small control messages; None: the default group."""
+        return None
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any process. Collective: every process calls it."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group())
+        return bool(value.item())
+
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's `value` on every process (picklable). Collective: every process calls it."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.control_group())
+        return box[0]
+
+    def checkpoint_group(self) -> Any:
+        """A process group for background checkpoint writes, apart from training's."""
+        return None
+
+    @abstractmethod
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Model, optimizer and precision state, as torch.distributed.checkpoint saves it."""
+
+    @abstractmethod
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None: ...
+
+    def teardown(self) -> None:  # noqa: B027 (an optional hook)
+        """Leave the process group."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the devices that each take `data.batch_size` samples."""
+        return self.world_size * self.devices_per_process
+
+
+def _map_tensors(batch: Any, fn: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        mapped = [_map_tensors(v, fn) for v in batch]
+        return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
+    return batch

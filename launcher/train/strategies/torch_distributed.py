@@ -1,0 +1,100 @@
+"""What ddp and fsdp share: a torch.distributed process group on CPU (gloo) or GPU (nccl)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.train.precision import MixedPrecision
+from launcher.train.strategies.base import Strategy
+
+
+class TorchDistributedStrategy(Strategy):
+    # Set where GPU runs also need collectives on CPU tensors (e.g. offloaded shards).
+    cpu_collectives = False
+
+    def __init__(self, accelerator: str, precision: str) -> None:
+        self.accelerator = accelerator
+        self.precision_name = precision
+
+    def setup(self) -> None:
+        # torch.distributed's launcher defines these; nothing else passes between the layers.
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if self.accelerator == "gpu":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            backend = "cpu:gloo,cuda:nccl" if self.cpu_collectives else "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend,
+                device_id=self.device if self.device.type == "cuda" else None,
+                timeout=timedelta(minutes=10),
+            )
+        self.precision = MixedPrecision(self.precision_name, self.device.type)
+        # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
+        self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
+    ) -> torch.Tensor | None:
+        norm = None
+        if max_norm is not None:
+            self.precision.unscale(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.detach().to(self.device, torch.float64).clone()
+        # gloo has no AVG, so sum and divide everywhere.
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values / self.world_size
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def control_group(self) -> Any:
+        return self._control
+
+    def checkpoint_group(self) -> Any:
+        # gloo: DCP's async writer needs a CPU backend, and its own group keeps its
+        # collectives from interleaving with the training step's.
+        return dist.new_group(backend="gloo")
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd, "precision": self.precision.state_dict()}
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        self.precision.load_state_dict(state.get("precision", {}))
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -255,20 +255,22 @@ def own_run(output_dir: Path, name: str, run_dir: Path | None, resume_from: Path
     return run_dir
 
 
-def check_job_run(run_dir: Path, job_id: str, resume_from: Path | None, latest: bool) -> None:
-    """A job's folder (every node's, a requeued node's) is joined while it has no checkpoint;
-    once it has one, every node must say --resume to continue it. A finished run is never
-    started over."""
+def refuse_finished_job(run_dir: Path, job_id: str) -> None:
+    """A job's folder that holds a finished run without checkpoints is never started over:
+    there is nothing to continue, and starting again would replace its metrics."""
     layout = RunLayout(run_dir)
-    newest = layout.latest_complete()
-    if newest is None and layout.summary.exists():
-        # Finished without a checkpoint (checkpoints off): nothing to continue, and starting
-        # it over would replace its metrics.
+    if layout.latest_complete() is None and layout.summary.exists():
         raise UsageError(
             f"run folder {run_dir} (job {job_id}) holds a finished run; it is never overwritten",
             hint="Use another --rdzv-id.",
         )
-    if not latest and newest is not None and newest != resume_from:
+
+
+def check_job_resume(run_dir: Path, job_id: str, resume_from: Path | None) -> None:
+    """A job's folder (every node's, a requeued node's) is joined while it has no checkpoint;
+    once it has one, every node must continue from the newest."""
+    newest = latest_complete(run_dir)
+    if newest is not None and newest != resume_from:
         raise UsageError(
             f"run folder {run_dir} (job {job_id}) already has checkpoints; it is never overwritten",
             hint="Continue it with --resume latest on every node, or use another --rdzv-id.",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.run_layout import RunLayout
+from launcher.run_layout import CheckpointFiles, RunLayout
 from launcher.train import checkpoint
 from launcher.train.strategies.ddp import DDPStrategy
 
@@ -24,7 +24,7 @@ class Held:
         return self.state
 
     def rank_state_dict(self) -> dict:
-        return {}
+        return {"rng": torch.get_rng_state()}
 
 
 def _saver(strategy, run_dir: Path, state: dict, model=None, **options):  # type: ignore[no-untyped-def]
@@ -85,6 +85,29 @@ def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, u
         _load(tmp_path / "checkpoints" / "step-00000003", torch.zeros(4), strategy).tolist()
         == [3.0] * 4
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_save_records_the_random_state_of_the_step_it_saves(
+    tmp_path: Path, strategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On XLA every barrier cuts the graph, which advances the random seed: what a rank saves
+    is its state when the save was asked for, not after the save's own barriers."""
+    barrier = strategy.barrier
+
+    def drawing_barrier() -> None:
+        torch.rand(1)
+        barrier()
+
+    monkeypatch.setattr(strategy, "barrier", drawing_barrier)
+    before = torch.get_rng_state()
+    saver = _saver(strategy, tmp_path, {"model": {"w": torch.zeros(4)}})
+    saver.save(1)
+    saver.close()
+    saved = torch.load(
+        CheckpointFiles(RunLayout(tmp_path).checkpoint(1)).rank_state(0), weights_only=True
+    )
+    assert torch.equal(saved["rng"], before)
 
 
 def test_metadata_cannot_reach_through_an_allowed_module(tmp_path: Path) -> None:

@@ -110,3 +110,13 @@ def test_a_jobs_nodes_share_a_folder_named_after_it_and_resume_only_when_asked(
     _checkpoint(tmp_path / "runs" / "exp" / "other", 99)
     os.utime(tmp_path / "runs" / "exp" / "other", (2e9, 2e9))
     assert make_plan(_spec(tmp_path), nodes=job, resume="latest").resume_from == newest
+
+
+def test_a_finished_job_is_refused_before_its_resume_argument_is_read(tmp_path: Path) -> None:
+    job = Nodes(2, 2, 0, "node01:29500", "done7")
+    folder = tmp_path / "runs" / "exp" / "done7"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text("{}")  # finished, checkpoints off
+    for resume in (None, "latest", str(tmp_path / "nowhere")):
+        with pytest.raises(UsageError, match=r"\(job done7\) holds a finished run"):
+            make_plan(_spec(tmp_path), nodes=job, resume=resume)

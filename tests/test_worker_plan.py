@@ -59,8 +59,8 @@ def test_each_node_of_a_job_has_its_own_plan_file(tmp_path: Path) -> None:
 
 def test_the_plan_file_round_trips_with_nothing_left_auto(tmp_path: Path) -> None:
     plan = make_plan(_spec(tmp_path))
-    path = prepare_run_dir(plan)
-    read = WorkerPlan.read(path)
+    prepare_run_dir(plan)
+    read = WorkerPlan.read(RunLayout.worker_plan(plan.node_dir))
     assert read == plan.worker_plan()
     assert read.accelerator == read.run_spec().launch.accelerator == "cpu"
     assert read.run_spec().launch.devices == 1 and read.resume_from is None

@@ -286,8 +286,11 @@ def test_the_compile_cache_goes_in_the_run_dir_on_tpu_only(
         show_ranks=None,
         omp_threads=1,
     )
+    monkeypatch.delenv("XLA_PERSISTENT_CACHE_PATH", raising=False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     assert plan.worker_plan().compile_cache == tmp_path / "run" / "xla_cache"
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", str(tmp_path / "mine"))  # the user's wins
+    assert plan.worker_plan().compile_cache == tmp_path / "mine"
     monkeypatch.setenv("PJRT_DEVICE", "CPU")  # XLA's CPU client cannot reload executables
     assert plan.worker_plan().compile_cache is None
     env = plan.worker_env()

@@ -42,8 +42,10 @@ class LaunchPlan:
         return self.devices.processes
 
     def worker_env(self) -> dict[str, str]:
-        """Environment the workers start with, on top of the launcher's own (which wins for
-        the defaults below, so a user's setting is kept)."""
+        """Settings of the libraries in the workers' processes (OpenMP's threads, glibc's
+        allocator, XLA's device count), on top of the launcher's environment, which wins for
+        the defaults so a user's setting is kept. Never read by the worker's own code: that
+        reads its plan (`worker_plan`)."""
         env = {
             "OMP_NUM_THREADS": str(self.omp_threads),
             **worker_env(self.spec.launch.strategy, self.accelerator),
@@ -61,14 +63,17 @@ class LaunchPlan:
             xla_spawn=("all" if self.devices.spawn_all else "1") if spawn else None,
             rank_offset=self.rank_offset,
             resume_from=self.resume_from,
-            compile_cache=self.layout.xla_cache if self._caches_compiles else None,
+            compile_cache=self._compile_cache(),
         )
 
-    @property
-    def _caches_compiles(self) -> bool:
-        # XLA's CPU client cannot load the executables it serialises: TPUs only.
-        tpu = self.accelerator == "tpu" and xla_device_type() == "TPU"
-        return tpu and self.spec.xla.compile_cache
+    def _compile_cache(self) -> Path | None:
+        """XLA's persistent compile cache: the run folder's, or the user's own
+        XLA_PERSISTENT_CACHE_PATH. TPUs only: XLA's CPU client cannot load the executables
+        it serialises."""
+        on_tpu = self.accelerator == "tpu" and xla_device_type() == "TPU"
+        if not (on_tpu and self.spec.xla.compile_cache):
+            return None
+        return Path(os.environ.get("XLA_PERSISTENT_CACHE_PATH") or self.layout.xla_cache)
 
     @property
     def layout(self) -> RunLayout:
@@ -187,13 +192,13 @@ def _run_and_resume(
         resume_from = _resume_point(resume, output_dir, name)
         return run_layout.own_run(output_dir, name, run_dir, resume_from), resume_from
     run_dir = run_dir or run_layout.job_run_dir(output_dir, name, nodes.job_id)
-    # `latest` for a job is the job's own newest checkpoint, or none yet: a requeued job that
-    # was stopped before its first save starts over, in its own folder.
-    latest = resume == "latest"
-    resume_from = (
-        run_layout.latest_complete(run_dir) if latest else _resume_point(resume, output_dir, name)
-    )
-    run_layout.check_job_run(run_dir, nodes.job_id, resume_from, latest)
+    run_layout.refuse_finished_job(run_dir, nodes.job_id)
+    if resume == "latest":
+        # The job's own newest checkpoint, or none yet: a requeued job that was stopped
+        # before its first save starts over, in its own folder.
+        return run_dir, run_layout.latest_complete(run_dir)
+    resume_from = _resume_point(resume, output_dir, name)
+    run_layout.check_job_resume(run_dir, nodes.job_id, resume_from)
     return run_dir, resume_from
 
 

@@ -10,9 +10,9 @@ from launcher.launch.plan import LaunchPlan
 from launcher.spec_loader import spec_to_yaml
 
 
-def prepare_run_dir(plan: LaunchPlan) -> Path:
+def prepare_run_dir(plan: LaunchPlan) -> None:
     """Creates the run folder (never world-writable), saves the resolved spec into it and
-    writes this node's worker plan; returns the worker plan's path."""
+    writes this node's worker plan."""
     layout = plan.layout
     # A new run claims its folder atomically: two launches never share one. The nodes of a
     # job share theirs, which whichever comes first creates.
@@ -39,9 +39,7 @@ def prepare_run_dir(plan: LaunchPlan) -> Path:
     if plan.node_dir != plan.run_dir:
         # Each node keeps the spec it ran, with or without storage the nodes share.
         _write_atomic(layout.node_spec(plan.node_dir), text)
-    worker_plan = layout.worker_plan(plan.node_dir)
-    plan.worker_plan().write(worker_plan)
-    return worker_plan
+    plan.worker_plan().write(layout.worker_plan(plan.node_dir))
 
 
 def _write_atomic(path: Path, text: str) -> None:

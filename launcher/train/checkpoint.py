@@ -90,16 +90,18 @@ class Checkpointer:
     def save(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp  # 0.5 s of imports: not on the way to step 1
 
+        # The state as it is now, before the waits below: on XLA a barrier cuts the graph,
+        # which advances the random seed this rank's state records.
+        rank_state = self.train.rank_state_dict()
+        meta = {**self.train.state_dict(), "step": step, "time": time.time()}
+        state = self.model.state_dict()
         self.wait()
         staging = self.layout.staging(step)
         if self.strategy.is_main:
             shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never a published one
             staging.mkdir(parents=True)
         self.strategy.barrier()
-        files = CheckpointFiles(staging)
-        _save_synced(self.train.rank_state_dict(), files.rank_state(self.strategy.rank))
-        meta = {**self.train.state_dict(), "step": step, "time": time.time()}
-        state = self.model.state_dict()
+        _save_synced(rank_state, CheckpointFiles(staging).rank_state(self.strategy.rank))
         if self.use_async:
             module = getattr(self.model, "model", None)
             state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}

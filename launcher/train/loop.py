@@ -41,6 +41,15 @@ class Trainer:
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
         self.resume_from = checkpoint.resume_point(run_dir, resume_from, strategy)
+        if attempt:
+            where = "no checkpoint yet: starting over"
+            if self.resume_from:
+                where = f"resuming from {self.resume_from}"
+            limit = spec.launch.max_restarts + 1
+            self._say(
+                f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}",
+                every_rank=True,
+            )
         rss_before_build = memory.rss_bytes()
         self.model = strategy.build_model(
             lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
@@ -77,17 +86,6 @@ class Trainer:
         return self.state.progress
 
     def fit(self) -> None:
-        if self.attempt:
-            limit = self.spec.launch.max_restarts + 1
-            where = (
-                f"resuming from {self.resume_from}"
-                if self.resume_from
-                else "no checkpoint yet: starting over"
-            )
-            self._say(
-                f"attempt {self.attempt + 1} of {limit}: restarted after a failure; {where}",
-                every_rank=True,
-            )
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.telemetry.beat(self.progress.step)

@@ -5,7 +5,7 @@ launcher's resolved plan (`launcher.worker_plan`) says everything else. The firs
 thing it does is point its own stdout and stderr, at the file-descriptor level, into its log
 file, so that output from C/C++ code lands there too and the launcher can follow every rank.
 
-With `--xla-spawn`, the worker instead starts the replicas itself through torch_xla's spawn
+With `xla_spawn` in its plan, the worker instead starts the replicas itself through torch_xla's spawn
 (one per TPU device, or just one), and each replica redirects its own output the same way.
 
 A SIGTERM from anyone but the launcher (SLURM preemption and scancel signal every process of

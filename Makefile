@@ -35,7 +35,8 @@ test-dev: env
 
 # The same suite on torch 2.9, the version torch_xla pins: the launcher must run there too,
 # and the XLA tests (tests/test_xla.py) run for real on XLA's CPU devices. Tests marked
-# launcher_only (bad spec and flag input, refused before torch matters) run in .venv only.
+# launcher_only (bad input refused before torch matters, the log stream, the package's
+# shape) run in .venv only.
 test-xla: env-xla
 	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "not launcher_only" tests
 
@@ -43,6 +44,7 @@ bench: env
 	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"
 	$(VENV)/bin/python bench/checkpoint_blocking.py
 	$(VENV)/bin/python bench/fsdp_memory.py
+	$(VENV)/bin/python bench/log_flood.py
 
 clean:
 	rm -rf $(VENV) $(VENV_XLA) build *.egg-info

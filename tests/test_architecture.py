@@ -14,6 +14,9 @@ from launcher.spec import StrategyName
 from launcher.strategy_registry import STRATEGIES
 from tests.conftest import REPO
 
+# Reads source files only: the same on every torch.
+pytestmark = pytest.mark.launcher_only
+
 PACKAGE = REPO / "launcher"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # The entry point parses flags, then starts the launch; it checks a recipe as workers load it.

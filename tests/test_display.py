@@ -1,5 +1,6 @@
 import io
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -8,10 +9,12 @@ import pytest
 from rich.console import Console
 
 import launcher.launch.display.console as display_console
+import launcher.launch.display.sinks as display_sinks
 from launcher.launch.display import RunDisplay
-from launcher.launch.display.alerts import AlertDetector, looks_like_alert
+from launcher.launch.display.alerts import AlertDetector, looks_like_alert, may_hold_alerts
 from launcher.launch.display.coalesce import Coalescer
 from launcher.launch.display.lines import format_line
+from launcher.launch.display.sanitize import clean
 from launcher.launch.display.status import TelemetryBoard, format_elapsed, parse_telemetry
 from launcher.launch.display.tail import FileTail, MultiTail
 
@@ -76,24 +79,24 @@ def test_multi_tail_returns_lines_per_key_in_key_order(tmp_path):
 # -- alerts ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        "/data/x.py:3: UserWarning: TypedStorage is deprecated",
-        "WARNING:root:slow step",
-        "2024-01-01 ERROR lost connection",
-        "RuntimeError: CUDA error: device-side assert triggered",
-        "train.py: error: unrecognized arguments",
-        "Fatal Python error: Segmentation fault",
-        "Segmentation fault (core dumped)",
-        "node1:123:456 [0] NCCL WARN Call to connect returned Connection refused",
-        "NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled system error",
-        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
-        "[W socket.cpp:663] [c10d] The client socket has failed to connect",
-        "E1121 10:28:00.123000 123 torch/distributed/elastic/agent.py:1] failed",
-        "KeyboardInterrupt",
-    ],
-)
+ALERTS = [
+    "/data/x.py:3: UserWarning: TypedStorage is deprecated",
+    "WARNING:root:slow step",
+    "2024-01-01 ERROR lost connection",
+    "RuntimeError: CUDA error: device-side assert triggered",
+    "train.py: error: unrecognized arguments",
+    "Fatal Python error: Segmentation fault",
+    "Segmentation fault (core dumped)",
+    "node1:123:456 [0] NCCL WARN Call to connect returned Connection refused",
+    "NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled system error",
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+    "[W socket.cpp:663] [c10d] The client socket has failed to connect",
+    "E1121 10:28:00.123000 123 torch/distributed/elastic/agent.py:1] failed",
+    "KeyboardInterrupt",
+]
+
+
+@pytest.mark.parametrize("line", ALERTS)
 def test_warnings_and_errors_are_alerts(line):
     assert looks_like_alert(line)
 
@@ -299,7 +302,7 @@ def test_run_display_prints_plain_prefixed_merged_unwrapped_lines(tmp_path):
         "[ranks 0-1] hello [world]",
         f"[rank 0] {long_line}",
         "[rank 1] [1/2] [bold]not markup[/bold]",
-        "[rank 1] no newline yet",
+        "[rank 1] no newline yet [no newline]",
     ]
 
 
@@ -335,13 +338,13 @@ def test_ranks_filter_hides_ordinary_lines_but_not_tracebacks(tmp_path):
 def test_display_errors_are_reported_once_and_the_display_goes_on(tmp_path, monkeypatch):
     calls = []
 
-    def fail_on_lost(ranks, text):
+    def fail_on_lost(text, keep_sgr=False):
         calls.append(text)
         if text.startswith("lost"):
             raise RuntimeError(f"boom {text}")
-        return format_line(ranks, text)
+        return clean(text, keep_sgr)
 
-    monkeypatch.setattr(display_console, "format_line", fail_on_lost)
+    monkeypatch.setattr(display_sinks, "clean", fail_on_lost)
     display, out = plain_display(tmp_path, show=frozenset({0}))
     log = tmp_path / "logs" / "rank-0.log"
     with display:
@@ -380,3 +383,50 @@ def test_run_display_on_a_terminal_shows_telemetry_and_stops_cleanly(tmp_path):
     assert "0.53" in last_row and "1,234" in last_row
     assert final.endswith("\x1b[?25h")  # cursor shown again
     assert sys.stdout is stdout
+
+
+@pytest.mark.timeout(30)
+def test_a_terminal_folds_a_burst_but_never_its_alerts(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    log = tmp_path / "logs" / "rank-1.log"
+    burst = [f"line {i}" for i in range(5000)]
+    burst[2500:2500] = [
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1',
+        "OSError: disk",
+    ]
+    with RunDisplay(tmp_path, [0, 1], console=console):
+        append(log, "".join(line + "\n" for line in burst))
+        wait_for(out, "line 4999")
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue())
+    assert "[rank 1] line 0\n" in text and "[rank 1] line 4999\n" in text
+    assert f"[rank 1] ... {5000 - 40:,} more lines (see {log})" in text
+    assert '[rank 1]   File "x.py", line 1\n[rank 1] OSError: disk\n' in text
+    assert "[rank 1] line 2500\n" not in text
+
+
+@pytest.mark.timeout(30)
+def test_lines_a_blocked_console_could_not_show_are_counted(tmp_path, monkeypatch, capfd):
+    class Blocked(io.StringIO):
+        def write(self, text):
+            time.sleep(3600)
+
+    monkeypatch.setattr(display_console, "DRAIN_TIMEOUT_S", 0.5)
+    display = RunDisplay(tmp_path, [0], console=Console(file=Blocked(), force_terminal=False))
+    display.start()
+    append(tmp_path / "logs" / "rank-0.log", "first\n" + "more\n" * 2999 + "partial")
+    time.sleep(0.3)  # the display takes the first lines, and blocks writing them
+    started = time.monotonic()
+    display.stop()
+    assert time.monotonic() - started < 2
+    err = capfd.readouterr().err
+    assert "lines were not shown in 0.5 s" in err and str(tmp_path / "logs") in err
+
+
+@pytest.mark.parametrize("line", [*ALERTS, "Traceback (most recent call last):", "SIGSEGV"])
+def test_the_chunk_prefilter_never_misses_an_alert(line):
+    chunk = "ordinary\n" * 100 + line + "\n" + "ordinary\n" * 100
+    assert looks_like_alert(line) or "Traceback" in line
+    assert may_hold_alerts(chunk)
+    assert not may_hold_alerts("ordinary line 42 of the flood\n" * 1000)

@@ -22,6 +22,21 @@ _ALERT_PATTERNS = [
     r"^\[?[WEF]\d{4} \d\d:\d\d:\d\d|^\[[WEF] ",
 ]
 _ALERT = re.compile("|".join(f"(?:{p})" for p in _ALERT_PATTERNS))
+# What every alert above contains, found by plain substring search (in C, at memory speed):
+# lowercase words for the patterns that ignore case, and the rest as written.
+_WORDS = (
+    "warn",
+    "error",
+    "fatal",
+    "critical",
+    "exception",
+    "interrupt",
+    "traceback",
+    "nccl",
+    "gloo",
+)
+_AS_WRITTEN = ("SIG", "Segmentation fault", "core dumped")
+_NATIVE_LINE = re.compile(r"\n(?:\[?[WEF]\d{4} \d\d:\d\d:\d\d|\[[WEF] )")
 
 _TRACEBACK_START = re.compile(r"Traceback \(most recent call last\):")
 # Lines Python prints between the parts of a chained exception.
@@ -36,6 +51,18 @@ def looks_like_alert(text: str) -> bool:
     return _ALERT.search(text) is not None
 
 
+def may_hold_alerts(text: str) -> bool:
+    """Whether any line of `text` (many lines) may be an alert or start a traceback. A few
+    substring searches over the whole chunk: a flood without alerts costs no per-line work;
+    a True costs a look at each line (`AlertDetector`)."""
+    lowered = text.lower()
+    return (
+        any(word in lowered for word in _WORDS)
+        or any(word in text for word in _AS_WRITTEN)
+        or _NATIVE_LINE.search("\n" + text) is not None
+    )
+
+
 class _Block(Enum):
     NONE = 0
     TRACEBACK = 1  # inside "Traceback ...": indented frames until the exception line
@@ -47,6 +74,10 @@ class AlertDetector:
 
     def __init__(self) -> None:
         self._block: dict[Hashable, _Block] = {}
+
+    def in_block(self, stream: Hashable) -> bool:
+        """Whether `stream` is inside a traceback (its next lines may be alerts)."""
+        return self._block.get(stream, _Block.NONE) is not _Block.NONE
 
     def is_alert(self, stream: Hashable, text: str) -> bool:
         """Classify the next line of ``stream`` (e.g. a rank); call for every line in order."""

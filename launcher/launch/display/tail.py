@@ -1,4 +1,4 @@
-"""Follow many growing files by polling and hand back their complete lines.
+"""Follow many growing files by polling and hand back their complete lines, in large chunks.
 
 Workers own the writing end; we only ever open files read-only and never lock them, so
 a slow display can fall behind but can never stall a worker.
@@ -11,8 +11,9 @@ from typing import BinaryIO, Generic, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)
 
-# Bounds one poll's work per file, so one flooding rank cannot starve the others.
-READ_CHUNK_BYTES = 4 << 20
+# Bounds one read's work per file, so one flooding rank cannot starve the others; a reader
+# that got this much reads again at once instead of waiting for the next poll.
+READ_CHUNK_BYTES = 8 << 20
 # A "line" with no newline this long (e.g. a progress bar redrawn with \r) is emitted
 # anyway rather than buffered forever.
 MAX_PENDING_BYTES = 1 << 20
@@ -24,6 +25,11 @@ def decode_line(raw: bytes) -> str:
     return text.rsplit("\r", 1)[-1]
 
 
+def split_lines(chunk: bytes) -> list[str]:
+    """The lines of a chunk of complete lines (each ending in a newline), decoded."""
+    return [decode_line(raw) for raw in chunk.split(b"\n")[:-1]]
+
+
 class FileTail:
     """Follows one file that may not exist yet; returns only complete lines."""
 
@@ -32,26 +38,49 @@ class FileTail:
         self.path = Path(path)
         self._file: BinaryIO | None = None
         self._pending = b""
-        self._offset = self._current_size() if from_end else 0
+        self._offset = self._start = self._current_size() if from_end else 0
+        self.full = False  # the last read stopped at READ_CHUNK_BYTES: more is waiting
+
+    def read_chunk(self) -> bytes:
+        """New complete lines since the last call, as bytes ending in a newline (or b"");
+        a trailing partial line is kept back."""
+        data = self._read_new()
+        if not data:
+            return b""
+        data = self._pending + data
+        cut = data.rfind(b"\n") + 1
+        chunk, self._pending = data[:cut], data[cut:]
+        if len(self._pending) > MAX_PENDING_BYTES:
+            chunk, self._pending = chunk + self._pending + b"\n", b""
+        return chunk
+
+    def flush_chunk(self) -> tuple[bytes, bytes]:
+        """Everything left, for when the writer is done: (complete lines, the trailing
+        partial line without a newline, or b"")."""
+        chunks = []
+        while chunk := self.read_chunk():
+            chunks.append(chunk)
+        pending, self._pending = self._pending, b""
+        return b"".join(chunks), pending
 
     def read_lines(self) -> list[str]:
         """New complete lines since the last call; a trailing partial line is kept back."""
-        data = self._read_new()
-        if not data:
-            return []
-        *complete, self._pending = (self._pending + data).split(b"\n")
-        if len(self._pending) > MAX_PENDING_BYTES:
-            complete.append(self._pending)
-            self._pending = b""
-        return [decode_line(raw) for raw in complete]
+        return split_lines(self.read_chunk())
 
     def flush(self) -> list[str]:
         """Like read_lines, plus the trailing partial line, for when the writer is done."""
-        lines = self.read_lines()
-        if self._pending:
-            lines.append(decode_line(self._pending))
-            self._pending = b""
-        return lines
+        chunk, pending = self.flush_chunk()
+        return split_lines(chunk) + ([decode_line(pending)] if pending else [])
+
+    def logged_lines(self) -> int:
+        """Lines written to the file since this tail started (a partial last line counts)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._start)
+                rest = f.read()
+        except OSError:
+            return 0
+        return rest.count(b"\n") + (1 if rest and not rest.endswith(b"\n") else 0)
 
     def close(self) -> None:
         if self._file is not None:
@@ -65,11 +94,13 @@ class FileTail:
             return 0
 
     def _read_new(self) -> bytes:
+        self.full = False
         if self._file is None and not self._open():
             return b""
         assert self._file is not None
         data = self._file.read(READ_CHUNK_BYTES)
         if data:
+            self.full = len(data) == READ_CHUNK_BYTES
             return data
         if self._was_replaced():
             # Start over on the new file; what was pending belonged to the old one.
@@ -101,14 +132,26 @@ class MultiTail(Generic[Key]):
     """Follows one file per key (e.g. per rank); lines come back in key order per poll."""
 
     def __init__(self, paths: Mapping[Key, Path], *, from_end: bool = False) -> None:
-        self._tails = {key: FileTail(path, from_end=from_end) for key, path in paths.items()}
+        self.tails = {key: FileTail(path, from_end=from_end) for key, path in paths.items()}
+
+    def poll_chunks(self) -> dict[Key, bytes]:
+        """Each key's new complete lines, as bytes; keys with none are left out."""
+        return {key: chunk for key, tail in self.tails.items() if (chunk := tail.read_chunk())}
+
+    @property
+    def behind(self) -> bool:
+        """Whether a file had more to read than one read takes."""
+        return any(tail.full for tail in self.tails.values())
 
     def poll(self) -> list[tuple[Key, str]]:
-        return [(key, line) for key, tail in self._tails.items() for line in tail.read_lines()]
+        return [(key, line) for key, tail in self.tails.items() for line in tail.read_lines()]
 
     def flush(self) -> list[tuple[Key, str]]:
-        return [(key, line) for key, tail in self._tails.items() for line in tail.flush()]
+        return [(key, line) for key, tail in self.tails.items() for line in tail.flush()]
+
+    def logged_lines(self) -> dict[Key, int]:
+        return {key: tail.logged_lines() for key, tail in self.tails.items()}
 
     def close(self) -> None:
-        for tail in self._tails.values():
+        for tail in self.tails.values():
             tail.close()

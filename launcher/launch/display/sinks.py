@@ -1,0 +1,85 @@
+"""Where the display's lines go: plain text in large batches when stdout is a file, a pipe or
+CI, or rich text above the live table on a terminal, which folds bursts it cannot show."""
+
+from collections.abc import Callable, Collection, Iterable
+from typing import IO
+
+from rich.console import Console
+from rich.text import Text
+
+from launcher.launch.display.alerts import AlertDetector, may_hold_alerts
+from launcher.launch.display.lines import format_line, prefix
+from launcher.launch.display.sanitize import clean, clean_chunk
+
+Group = tuple[Collection[int], str]  # the ranks that printed a line, and the line
+# A terminal shows at most this many lines of one burst, the first and the last; the rest is
+# folded into one line that says how many and where they are. Alerts are never folded away,
+# up to this many per burst.
+FOLD_HEAD, FOLD_TAIL, FOLD_ALERTS = 20, 20, 200
+
+
+class PlainSink:
+    """Plain prefixed lines, written as one string per batch: no colours, no live table."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self.file = file
+
+    def lines(self, groups: Iterable[Group]) -> None:
+        text = "".join(f"{prefix(sorted(ranks))} {clean(line)}\n" for ranks, line in groups)
+        if text:
+            self.file.write(text)
+
+    def block(self, rank: int, chunk: bytes) -> None:
+        """`chunk`: complete lines of one rank, each ending in a newline."""
+        head = prefix((rank,)) + " "
+        text = clean_chunk(chunk)
+        self.file.write(head)
+        self.file.write(text[:-1].replace("\n", "\n" + head))
+        self.file.write("\n")
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class TerminalSink:
+    """Coloured lines printed above the live table; a burst of more lines than a terminal
+    can take is folded (`... 12,345 more lines (see logs/rank-1.log)`), never queued."""
+
+    def __init__(self, console: Console, log_of: Callable[[int], str]) -> None:
+        self.console = console
+        self.log_of = log_of
+
+    def lines(self, groups: Iterable[Group]) -> None:
+        shown = [format_line(sorted(ranks), clean(line, keep_sgr=True)) for ranks, line in groups]
+        if shown:
+            # One print per batch: with a live region, every print redraws the table.
+            self.console.print(
+                Text("\n").join(shown), soft_wrap=True, highlight=False, markup=False, emoji=False
+            )
+
+    def block(self, rank: int, chunk: bytes) -> None:
+        lines = clean_chunk(chunk, keep_sgr=True).split("\n")[:-1]
+        if len(lines) <= FOLD_HEAD + FOLD_TAIL + 1:
+            self.lines(((rank,), line) for line in lines)
+            return
+        middle = lines[FOLD_HEAD:-FOLD_TAIL]
+        alerts = _alerts(middle)[:FOLD_ALERTS]
+        folded = Text(
+            f"{prefix((rank,))} ... {len(middle) - len(alerts):,} more lines "
+            f"(see {self.log_of(rank)})",
+            style="dim",
+        )
+        self.lines(((rank,), line) for line in lines[:FOLD_HEAD])
+        self.console.print(folded, soft_wrap=True, highlight=False)
+        self.lines(((rank,), line) for line in alerts + lines[-FOLD_TAIL:])
+
+    def flush(self) -> None:
+        self.console.file.flush()
+
+
+def _alerts(lines: list[str]) -> list[str]:
+    """The warnings, errors and traceback lines among `lines`, in order."""
+    if not may_hold_alerts("\n".join(lines)):
+        return []
+    detector = AlertDetector()
+    return [line for line in lines if detector.is_alert(0, line)]

@@ -72,6 +72,7 @@ def _by_hand(lines: int) -> None:
         loss(model, (x, y)).backward()
         optimizer.step()
         optimizer.zero_grad()
+    dist.barrier()  # nobody leaves the group while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -94,9 +94,19 @@ def display_alone(lines: int, terminal: bool) -> dict:
 
 
 def _count(text: bytes, lines: int) -> dict:
-    shown = {(m[1], m[2]) for m in _FLOOD.finditer(text)}
+    """Flood lines shown (each once), folded, lost, shown twice, and shown out of order."""
+    seen: dict[bytes, list[int]] = {}
+    for match in _FLOOD.finditer(text):
+        seen.setdefault(match[1], []).append(int(match[2]))
+    shown = sum(len(set(numbers)) for numbers in seen.values())
     folded = sum(int(m[1].replace(b",", b"")) for m in _FOLDED.finditer(text))
-    return {"shown": len(shown), "folded": folded, "lost": 2 * lines - len(shown) - folded}
+    return {
+        "shown": shown,
+        "folded": folded,
+        "lost": 2 * lines - shown - folded,
+        "twice": sum(len(numbers) for numbers in seen.values()) - shown,
+        "out_of_order": sum(numbers != sorted(numbers) for numbers in seen.values()),
+    }
 
 
 def end_to_end(argv: list[str], lines: int, terminal: bool) -> dict:

@@ -9,6 +9,8 @@ import re
 from collections.abc import Hashable
 from enum import Enum
 
+from launcher.launch.display.sanitize import strip_sgr
+
 _ALERT_PATTERNS = [
     r"\b(?:WARN|WARNING|ERROR|FATAL|CRITICAL)\b",
     # RuntimeError, UserWarning, ncclInternalError, KeyboardInterrupt, bare "Error" ...
@@ -36,7 +38,7 @@ _WORDS = (
     "gloo",
 )
 _AS_WRITTEN = ("SIG", "Segmentation fault", "core dumped")
-_NATIVE_LINE = re.compile(r"\n(?:\[?[WEF]\d{4} \d\d:\d\d:\d\d|\[[WEF] )")
+_NATIVE_LINE = re.compile(r"[\n\r](?:\[?[WEF]\d{4} \d\d:\d\d:\d\d|\[[WEF] )")
 
 _TRACEBACK_START = re.compile(r"Traceback \(most recent call last\):")
 # Lines Python prints between the parts of a chained exception.
@@ -47,8 +49,8 @@ _CHAIN_LINE = re.compile(
 
 
 def looks_like_alert(text: str) -> bool:
-    """Whether one line, on its own, reads as a warning or an error."""
-    return _ALERT.search(text) is not None
+    """Whether one line, on its own, reads as a warning or an error (coloured or not)."""
+    return _ALERT.search(strip_sgr(text) if "\x1b" in text else text) is not None
 
 
 def may_hold_alerts(text: str) -> bool:
@@ -81,6 +83,8 @@ class AlertDetector:
 
     def is_alert(self, stream: Hashable, text: str) -> bool:
         """Classify the next line of ``stream`` (e.g. a rank); call for every line in order."""
+        if "\x1b" in text:
+            text = strip_sgr(text)
         block = self._block.get(stream, _Block.NONE)
         if _TRACEBACK_START.search(text):
             self._block[stream] = _Block.TRACEBACK

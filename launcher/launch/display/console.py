@@ -24,7 +24,7 @@ from launcher.launch.display.coalesce import Coalescer
 from launcher.launch.display.sanitize import decode
 from launcher.launch.display.sinks import PlainSink, TerminalSink
 from launcher.launch.display.status import TelemetryBoard
-from launcher.launch.display.tail import MultiTail, decode_line, split_lines
+from launcher.launch.display.tail import FileTail, MultiTail, decode_line, split_lines
 from launcher.run_layout import RunLayout
 
 POLL_S = 0.1
@@ -114,11 +114,13 @@ class RunDisplay:
             self._stopping.set()
             assert self._thread is not None and self._logs is not None
             self._thread.join(DRAIN_TIMEOUT_S)
-            if self._thread.is_alive():
+            stuck = self._thread.is_alive()
+            if stuck:  # blocked writing, or too far behind: it writes nothing more
                 self._give_up.set()
                 self._thread.join(0.5)
-                self._report_unshown(self._logs.logged_lines())
-            if self._live is not None:
+            self._report_unshown(self._logs.unshown(self._handled))
+            # A thread stuck writing holds the console: restoring the terminal would block.
+            if self._live is not None and not self._thread.is_alive():
                 self._guarded(self._live.stop)
             for tail in (self._logs, self._telemetry):
                 if tail is not None:
@@ -161,23 +163,28 @@ class RunDisplay:
         now = time.monotonic()
         self._show_chunks(self._logs.poll_chunks(), now)
         self._write(self._coalescer.ready(now))
+        self._sink.flush()  # lines reach a pipe or CI log now, not when a buffer fills
         self._apply_telemetry(self._telemetry.poll())
 
     def _drain(self) -> None:
         """To the end of every log: the workers are gone, nothing more will come."""
         assert self._logs is not None and self._telemetry is not None
         while not self._give_up.is_set() and (chunks := self._logs.poll_chunks()):
-            self._show_chunks(chunks, time.monotonic())
+            self._guarded(lambda chunks=chunks: self._show_chunks(chunks, time.monotonic()))
         if self._give_up.is_set():
             return
         for rank, tail in self._logs.tails.items():
-            chunk, partial = tail.flush_chunk()
-            self._show_chunks({rank: chunk} if chunk else {}, time.monotonic())
-            if partial:
-                self._accept(rank, decode_line(partial) + NO_NEWLINE, time.monotonic())
-        self._write(self._coalescer.flush())
-        self._sink.flush()
+            self._guarded(lambda rank=rank, tail=tail: self._finish(rank, tail))
+        self._guarded(lambda: self._write(self._coalescer.flush()))
+        self._guarded(self._sink.flush)
         self._apply_telemetry(self._telemetry.flush())
+
+    def _finish(self, rank: int, tail: FileTail) -> None:
+        """A rank's last lines, and a last line it never ended, marked as such."""
+        chunk, partial = tail.flush_chunk()
+        self._show_chunks({rank: chunk} if chunk else {}, time.monotonic())
+        if partial:
+            self._accept(rank, decode_line(partial) + NO_NEWLINE, time.monotonic())
 
     def _show_chunks(self, chunks: dict[int, bytes], now: float) -> None:
         """Ordinary logging line by line, through the coalescer; a flood in blocks."""
@@ -189,6 +196,8 @@ class RunDisplay:
         # Whatever waits for other ranks' copies goes first: each rank's lines keep order.
         self._write(self._coalescer.flush())
         for rank, chunk in chunks.items():
+            if self._give_up.is_set():
+                return
             if self._shown(rank):
                 self._sink.block(rank, chunk)
                 self._handled[rank] += chunk.count(b"\n")
@@ -206,6 +215,8 @@ class RunDisplay:
             self._handled[rank] += 1
 
     def _write(self, groups: list[tuple[frozenset[int], str]]) -> None:
+        if self._give_up.is_set():
+            return
         self._sink.lines(groups)
         for ranks, _ in groups:
             for rank in ranks:
@@ -227,14 +238,13 @@ class RunDisplay:
         except Exception as exc:
             return Text(f"status unavailable: {exc!r}")
 
-    def _report_unshown(self, logged: dict[int, int]) -> None:
-        unread = {r: n - self._handled[r] for r, n in logged.items() if n > self._handled[r]}
-        if not unread:
+    def _report_unshown(self, unshown: dict[int, int]) -> None:
+        if not unshown:
             return
-        ranks = ", ".join(f"{n:,} of rank {rank}" for rank, n in sorted(unread.items()))
+        ranks = ", ".join(f"{n:,} of rank {rank}" for rank, n in sorted(unshown.items()))
         message = (
-            f"launcher: {sum(unread.values()):,} lines were not shown in {DRAIN_TIMEOUT_S:g} s "
-            f"({ranks}); every line is in {self._layout.logs}\n"
+            f"launcher: {sum(unshown.values()):,} lines were not shown ({ranks}); "
+            f"every line is in {self._layout.logs}\n"
         )
         # Not through the console: it may be what blocked.
         with contextlib.suppress(Exception):

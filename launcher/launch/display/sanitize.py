@@ -21,6 +21,14 @@ _CR_LINE_END = re.compile(r"\r+(?=\n|\Z)")
 _BEFORE_CR = re.compile(r"[^\n\r]*\r")
 
 
+_SGR_ONLY = re.compile(_SGR)
+
+
+def strip_sgr(text: str) -> str:
+    """`text` without its colour codes."""
+    return _SGR_ONLY.sub("", text)
+
+
 def _escape(char: str) -> str:
     return f"\\x{ord(char):02x}"
 

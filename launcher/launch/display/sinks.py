@@ -32,10 +32,9 @@ class PlainSink:
     def block(self, rank: int, chunk: bytes) -> None:
         """`chunk`: complete lines of one rank, each ending in a newline."""
         head = prefix((rank,)) + " "
-        text = clean_chunk(chunk)
-        self.file.write(head)
-        self.file.write(text[:-1].replace("\n", "\n" + head))
-        self.file.write("\n")
+        # One write: a line the launcher prints meanwhile can come between blocks, not
+        # inside one.
+        self.file.write(head + clean_chunk(chunk)[:-1].replace("\n", "\n" + head) + "\n")
 
     def flush(self) -> None:
         self.file.flush()
@@ -43,19 +42,20 @@ class PlainSink:
 
 class TerminalSink:
     """Coloured lines printed above the live table; a burst of more lines than a terminal
-    can take is folded (`... 12,345 more lines (see logs/rank-1.log)`), never queued."""
+    can take is folded (`... 12,345 more lines (see logs/rank-1.log)`), never queued. Each
+    rank's tracebacks are followed across lines and bursts, so no part of one is folded."""
 
     def __init__(self, console: Console, log_of: Callable[[int], str]) -> None:
         self.console = console
         self.log_of = log_of
+        self._detector = AlertDetector()
 
     def lines(self, groups: Iterable[Group]) -> None:
-        shown = [format_line(sorted(ranks), clean(line, keep_sgr=True)) for ranks, line in groups]
-        if shown:
-            # One print per batch: with a live region, every print redraws the table.
-            self.console.print(
-                Text("\n").join(shown), soft_wrap=True, highlight=False, markup=False, emoji=False
-            )
+        groups = list(groups)
+        for ranks, line in groups:
+            for rank in ranks:
+                self._detector.is_alert(rank, line)
+        self._print(groups)
 
     def block(self, rank: int, chunk: bytes) -> None:
         lines = clean_chunk(chunk, keep_sgr=True).split("\n")[:-1]
@@ -63,23 +63,41 @@ class TerminalSink:
             self.lines(((rank,), line) for line in lines)
             return
         middle = lines[FOLD_HEAD:-FOLD_TAIL]
-        alerts = _alerts(middle)[:FOLD_ALERTS]
-        folded = Text(
-            f"{prefix((rank,))} ... {len(middle) - len(alerts):,} more lines "
-            f"(see {self.log_of(rank)})",
-            style="dim",
-        )
         self.lines(((rank,), line) for line in lines[:FOLD_HEAD])
-        self.console.print(folded, soft_wrap=True, highlight=False)
-        self.lines(((rank,), line) for line in alerts + lines[-FOLD_TAIL:])
+        alerts = self._alerts(rank, middle)
+        kept = alerts[:FOLD_ALERTS]
+        more = len(alerts) - len(kept)
+        self.console.print(
+            Text(
+                f"{prefix((rank,))} ... {len(middle) - len(kept):,} more lines"
+                + (f", {more:,} of them warnings or errors" if more else "")
+                + f" (see {self.log_of(rank)})",
+                style="dim",
+            ),
+            soft_wrap=True,
+            highlight=False,
+        )
+        self._print([((rank,), line) for line in kept])
+        self.lines(((rank,), line) for line in lines[-FOLD_TAIL:])
+
+    def _print(self, groups: list[Group]) -> None:
+        if groups:
+            # One print per batch: with a live region, every print redraws the table.
+            self.console.print(
+                Text("\n").join(
+                    format_line(sorted(ranks), clean(line, keep_sgr=True)) for ranks, line in groups
+                ),
+                soft_wrap=True,
+                highlight=False,
+                markup=False,
+                emoji=False,
+            )
 
     def flush(self) -> None:
         self.console.file.flush()
 
-
-def _alerts(lines: list[str]) -> list[str]:
-    """The warnings, errors and traceback lines among `lines`, in order."""
-    if not may_hold_alerts("\n".join(lines)):
-        return []
-    detector = AlertDetector()
-    return [line for line in lines if detector.is_alert(0, line)]
+    def _alerts(self, rank: int, lines: list[str]) -> list[str]:
+        """The warnings, errors and traceback lines among a rank's `lines`, in order."""
+        if not self._detector.in_block(rank) and not may_hold_alerts("\n".join(lines)):
+            return []
+        return [line for line in lines if self._detector.is_alert(rank, line)]

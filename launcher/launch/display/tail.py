@@ -38,8 +38,9 @@ class FileTail:
         self.path = Path(path)
         self._file: BinaryIO | None = None
         self._pending = b""
-        self._offset = self._start = self._current_size() if from_end else 0
+        self._offset = self._current_size() if from_end else 0
         self.full = False  # the last read stopped at READ_CHUNK_BYTES: more is waiting
+        self.lines_read = 0  # lines handed out (a forced or partial last line counts)
 
     def read_chunk(self) -> bytes:
         """New complete lines since the last call, as bytes ending in a newline (or b"");
@@ -52,6 +53,7 @@ class FileTail:
         chunk, self._pending = data[:cut], data[cut:]
         if len(self._pending) > MAX_PENDING_BYTES:
             chunk, self._pending = chunk + self._pending + b"\n", b""
+        self.lines_read += chunk.count(b"\n")
         return chunk
 
     def flush_chunk(self) -> tuple[bytes, bytes]:
@@ -61,6 +63,7 @@ class FileTail:
         while chunk := self.read_chunk():
             chunks.append(chunk)
         pending, self._pending = self._pending, b""
+        self.lines_read += 1 if pending else 0
         return b"".join(chunks), pending
 
     def read_lines(self) -> list[str]:
@@ -72,15 +75,18 @@ class FileTail:
         chunk, pending = self.flush_chunk()
         return split_lines(chunk) + ([decode_line(pending)] if pending else [])
 
-    def logged_lines(self) -> int:
-        """Lines written to the file since this tail started (a partial last line counts)."""
+    def unread_lines(self) -> int:
+        """Lines in the file not handed out yet (a partial last line counts), counted a block
+        at a time from where reading stopped: cheap at the end of a drained file."""
+        newlines, last = 0, self._pending[-1:]
         try:
             with open(self.path, "rb") as f:
-                f.seek(self._start)
-                rest = f.read()
-        except OSError:
-            return 0
-        return rest.count(b"\n") + (1 if rest and not rest.endswith(b"\n") else 0)
+                f.seek(self._file.tell() if self._file is not None else self._offset)
+                while block := f.read(1 << 20):
+                    newlines, last = newlines + block.count(b"\n"), block[-1:]
+        except (OSError, ValueError):  # gone, or closed under us
+            return newlines
+        return newlines + (1 if last and last != b"\n" else 0)
 
     def close(self) -> None:
         if self._file is not None:
@@ -149,8 +155,13 @@ class MultiTail(Generic[Key]):
     def flush(self) -> list[tuple[Key, str]]:
         return [(key, line) for key, tail in self.tails.items() for line in tail.flush()]
 
-    def logged_lines(self) -> dict[Key, int]:
-        return {key: tail.logged_lines() for key, tail in self.tails.items()}
+    def unshown(self, handled: Mapping[Key, int]) -> dict[Key, int]:
+        """Lines of each key not shown: read but not `handled`, plus those not read yet."""
+        counts = {
+            key: tail.lines_read - handled.get(key, 0) + tail.unread_lines()
+            for key, tail in self.tails.items()
+        }
+        return {key: n for key, n in counts.items() if n > 0}
 
     def close(self) -> None:
         for tail in self.tails.values():

@@ -385,10 +385,18 @@ def test_run_display_on_a_terminal_shows_telemetry_and_stops_cleanly(tmp_path):
     assert sys.stdout is stdout
 
 
-@pytest.mark.timeout(30)
-def test_a_terminal_folds_a_burst_but_never_its_alerts(tmp_path):
+def shown_on_a_terminal(run_dir: Path, rank: int, lines: list[str]) -> str:
+    """What a terminal shows of `lines` printed at once by `rank`, without escape codes."""
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=200)
+    with RunDisplay(run_dir, [rank], console=console):
+        append(run_dir / "logs" / f"rank-{rank}.log", "".join(line + "\n" for line in lines))
+        wait_for(out, lines[-1])
+    return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue())
+
+
+@pytest.mark.timeout(30)
+def test_a_terminal_folds_a_burst_but_never_its_alerts(tmp_path):
     log = tmp_path / "logs" / "rank-1.log"
     burst = [f"line {i}" for i in range(5000)]
     burst[2500:2500] = [
@@ -396,10 +404,7 @@ def test_a_terminal_folds_a_burst_but_never_its_alerts(tmp_path):
         '  File "x.py", line 1',
         "OSError: disk",
     ]
-    with RunDisplay(tmp_path, [0, 1], console=console):
-        append(log, "".join(line + "\n" for line in burst))
-        wait_for(out, "line 4999")
-    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue())
+    text = shown_on_a_terminal(tmp_path, 1, burst)
     assert "[rank 1] line 0\n" in text and "[rank 1] line 4999\n" in text
     assert f"[rank 1] ... {5000 - 40:,} more lines (see {log})" in text
     assert '[rank 1]   File "x.py", line 1\n[rank 1] OSError: disk\n' in text
@@ -408,16 +413,10 @@ def test_a_terminal_folds_a_burst_but_never_its_alerts(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_terminal_never_folds_away_a_traceback_that_began_before_the_fold(tmp_path):
-    out = io.StringIO()
-    console = Console(file=out, force_terminal=True, width=200)
-    log = tmp_path / "logs" / "rank-0.log"
     burst = [f"line {i}" for i in range(5000)]
     frames = [f'  File "x.py", line {i}' for i in range(30)]
     burst[10:10] = ["Traceback (most recent call last):", *frames, "OSError: disk"]
-    with RunDisplay(tmp_path, [0], console=console):
-        append(log, "".join(line + "\n" for line in burst))
-        wait_for(out, "line 4999")
-    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue())
+    text = shown_on_a_terminal(tmp_path, 0, burst)
     for line in [*frames, "OSError: disk"]:
         assert f"[rank 0] {line}\n" in text
 

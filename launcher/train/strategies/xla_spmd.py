@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,6 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
 
-from launcher.spec import XLASection
 from launcher.train.strategies.xla_common import XLAStrategyBase, join_checkpoint_group
 
 # FSDPv2 shards over the mesh axis named "fsdp"; the batch is split along the same axis.
@@ -32,14 +30,8 @@ _AXES = ("fsdp", "model")
 class XLASpmdStrategy(XLAStrategyBase):
     name = "xla_spmd"
 
-    def __init__(
-        self,
-        accelerator: str,
-        precision: str,
-        options: XLASection,
-        compile_cache: Path | None = None,
-    ) -> None:
-        super().__init__(accelerator, precision, options, compile_cache)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         xr.use_spmd()  # before the runtime starts: one process sees all of the host's devices
 
     def setup(self) -> None:

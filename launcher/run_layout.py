@@ -1,4 +1,4 @@
-"""The run folder: every path inside it, and which folder and checkpoint a launch uses.
+"""The run folder: every path inside it, and which of its checkpoints are which.
 
 This module is the one owner of the layout; no other module joins run-folder path parts.
 
@@ -19,14 +19,13 @@ This module is the one owner of the layout; no other module joins run-folder pat
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-from launcher.errors import UsageError
 
 _STEP = re.compile(r"^step-(\d{8,})$")
 
@@ -162,14 +161,52 @@ class RunLayout:
             for p in self.checkpoints.iterdir()
             if _STEP.match(p.name) and CheckpointFiles(p).is_complete
         ]
-        return sorted(found, key=lambda p: int(_STEP.match(p.name)[1]))  # type: ignore[index]
+        return sorted(found, key=lambda p: step_of(p) or 0)
 
     def latest_complete(self) -> Path | None:
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
+    def prunable(self, keep_last: int | None, protected: Iterable[int] = ()) -> list[Path]:
+        """The pruning rule: complete checkpoints other than the newest `keep_last` and the
+        `protected` steps (the best ones). None: keep everything."""
+        if not keep_last:
+            return []
+        keep = set(protected)
+        return [p for p in self.complete_checkpoints()[:-keep_last] if step_of(p) not in keep]
+
+    def best(self) -> Best | None:
+        """The best complete checkpoint by `checkpoint.monitor`, as the newest checkpoint's
+        record of scores says (the record survives resumes; pruned ones are passed over)."""
+        newest = self.latest_complete()
+        if newest is None:
+            return None
+        record = json.loads(CheckpointFiles(newest).meta.read_text()).get("best") or {}
+        for step, score in record.get("kept", []):
+            path = self.checkpoint(step)
+            if CheckpointFiles(path).is_complete:
+                return Best(path, step, score, record["monitor"])
+        return None
+
     def holds_a_run(self) -> bool:
         return self.root.is_dir() and any(self.root.iterdir())
+
+
+@dataclass(frozen=True)
+class Best:
+    path: Path
+    step: int
+    score: float
+    monitor: str
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.monitor} {self.score:.6g} at step {self.step})"
+
+
+def step_of(checkpoint: Path) -> int | None:
+    """The step a published checkpoint folder holds."""
+    found = _STEP.match(checkpoint.name)
+    return int(found[1]) if found else None
 
 
 def latest_complete(run_dir: Path) -> Path | None:
@@ -180,98 +217,3 @@ def latest_complete(run_dir: Path) -> Path | None:
 def run_of(checkpoint: Path) -> Path | None:
     """The run folder a checkpoint folder belongs to, if it is inside one."""
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-
-
-def new_run_dir(output_dir: Path, name: str) -> Path:
-    """`<output_dir>/<name>/<YYYYmmdd-HHMMSS>`, never one that exists."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate = output_dir / name / stamp
-    n = 1
-    while candidate.exists():
-        n += 1
-        candidate = output_dir / name / f"{stamp}-{n}"
-    return candidate
-
-
-def job_run_dir(output_dir: Path, name: str, job_id: str) -> Path:
-    """The folder every node of a job (and a requeued job) shares."""
-    return output_dir / name / job_id
-
-
-def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
-    """`--resume` accepts a checkpoint folder, a run folder, or `latest` (newest run of `name`)."""
-    if arg == "latest":
-        runs = sorted((output_dir / name).glob("*/"), key=lambda p: p.stat().st_mtime)
-        found = [c for c in map(latest_complete, runs) if c is not None]
-        if not found:
-            raise UsageError(
-                f"--resume latest: no run named {name!r} under {output_dir} has a complete "
-                "checkpoint",
-                hint="Pass a run or checkpoint folder to --resume, or start without it.",
-            )
-        return found[-1]
-    path = Path(arg)
-    if not path.exists():
-        raise UsageError(f"--resume {arg}: no such folder")
-    files = CheckpointFiles(path)
-    if files.is_complete:
-        return path
-    if files.looks_interrupted:
-        raise UsageError(
-            f"--resume {arg}: this checkpoint is incomplete (its save was interrupted)"
-        )
-    latest = latest_complete(path)
-    if latest is None:
-        raise UsageError(
-            f"--resume {arg}: neither a checkpoint nor a run folder with a complete checkpoint",
-            hint="A checkpoint folder holds a COMPLETE file; a run folder holds checkpoints/.",
-        )
-    return latest
-
-
-def own_run(output_dir: Path, name: str, run_dir: Path | None, resume_from: Path | None) -> Path:
-    """The folder of a run of one launcher: a new one, or that of the run it resumes."""
-    explicit = run_dir is not None
-    if run_dir is None:
-        # A resumed run continues in its own folder; a new run, or one resumed from a
-        # checkpoint that is not inside a run folder, gets a new one.
-        run_dir = (resume_from and run_of(resume_from)) or new_run_dir(output_dir, name)
-    layout = RunLayout(run_dir)
-    newest = layout.latest_complete()
-    # Writing into a folder that holds a run is safe only when this run continues exactly
-    # where that folder's newest checkpoint left off; anything else would mix two runs and
-    # overwrite or prune the other run's checkpoints.
-    if layout.holds_a_run() and (resume_from is None or newest != resume_from):
-        if not explicit:
-            raise UsageError(
-                f"--resume {resume_from}: its run already has a newer checkpoint "
-                f"({newest}); continuing in place would overwrite it",
-                hint="Branch off with --run-dir NEW_FOLDER, or resume the newest checkpoint.",
-            )
-        raise UsageError(
-            f"--run-dir {run_dir}: already holds a run; it is never overwritten",
-            hint=f"Continue it with --resume {newest or run_dir}, or choose a new --run-dir.",
-        )
-    return run_dir
-
-
-def refuse_finished_job(run_dir: Path, job_id: str) -> None:
-    """A job's folder that holds a finished run without checkpoints is never started over:
-    there is nothing to continue, and starting again would replace its metrics."""
-    layout = RunLayout(run_dir)
-    if layout.latest_complete() is None and layout.summary.exists():
-        raise UsageError(
-            f"run folder {run_dir} (job {job_id}) holds a finished run; it is never overwritten",
-            hint="Use another --rdzv-id.",
-        )
-
-
-def check_job_resume(run_dir: Path, job_id: str, resume_from: Path | None) -> None:
-    """A job's folder (every node's, a requeued node's) is joined while it has no checkpoint;
-    once it has one, every node must continue from the newest."""
-    newest = latest_complete(run_dir)
-    if newest is not None and newest != resume_from:
-        raise UsageError(
-            f"run folder {run_dir} (job {job_id}) already has checkpoints; it is never overwritten",
-            hint="Continue it with --resume latest on every node, or use another --rdzv-id.",
-        )

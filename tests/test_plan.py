@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from launcher.errors import UsageError
 from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
-from launcher.run_layout import CheckpointFiles, latest_complete, resolve_resume
+from launcher.launch.run_choice import resolve_resume
+from launcher.run_layout import CheckpointFiles, latest_complete
 from launcher.spec import RunSpec
 
 

@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import run_layout
 from launcher.checkpoint_format import read_metadata
 from launcher.errors import UsageError
+from launcher.launch import run_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.nodes import Nodes
 from launcher.launch.ranks import parse_ranks
@@ -190,22 +190,22 @@ def _run_and_resume(
     output_dir, name = Path(spec.run.output_dir), spec.run.name
     if nodes.job_id is None:
         resume_from = _resume_point(resume, output_dir, name)
-        return run_layout.own_run(output_dir, name, run_dir, resume_from), resume_from
-    run_dir = run_dir or run_layout.job_run_dir(output_dir, name, nodes.job_id)
-    run_layout.refuse_finished_job(run_dir, nodes.job_id)
+        return run_choice.own_run(output_dir, name, run_dir, resume_from), resume_from
+    run_dir = run_dir or run_choice.job_run_dir(output_dir, name, nodes.job_id)
+    run_choice.refuse_finished_job(run_dir, nodes.job_id)
     if resume == "latest":
         # The job's own newest checkpoint, or none yet: a requeued job that was stopped
         # before its first save starts over, in its own folder.
-        return run_dir, run_layout.latest_complete(run_dir)
+        return run_dir, run_choice.latest_complete(run_dir)
     resume_from = _resume_point(resume, output_dir, name)
-    run_layout.check_job_resume(run_dir, nodes.job_id, resume_from)
+    run_choice.check_job_resume(run_dir, nodes.job_id, resume_from)
     return run_dir, resume_from
 
 
 def _resume_point(resume: str | None, output_dir: Path, name: str) -> Path | None:
     if resume is None:
         return None
-    resume_from = run_layout.resolve_resume(resume, output_dir, name)
+    resume_from = run_choice.resolve_resume(resume, output_dir, name)
     read_metadata(resume_from)  # a corrupt checkpoint is refused here, before any process
     return resume_from
 

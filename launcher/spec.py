@@ -6,48 +6,19 @@ Each field's `description` is the documentation: `train --help`, the README's co
 
 from __future__ import annotations
 
-import inspect
 from typing import Annotated, Any, Literal
 
-import torch
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+# Sections that need torch to check themselves live apart; the spec re-exports them.
+from launcher.spec_optim import OptimSection
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
 Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["constant", "cosine"]
+Mode = Literal["min", "max"]
 
 PositiveInt = Annotated[int, Field(gt=0)]
-
-
-def _optimizer_names() -> list[str]:
-    return sorted(
-        n
-        for n, c in vars(torch.optim).items()
-        if isinstance(c, type)
-        and issubclass(c, torch.optim.Optimizer)
-        and c is not torch.optim.Optimizer
-    )
-
-
-def _optimizer_class(name: str) -> type[torch.optim.Optimizer] | None:
-    cls = getattr(torch.optim, name, None)
-    ok = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-    return cls if ok and cls is not torch.optim.Optimizer else None
-
-
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    cls = _optimizer_class(name)
-    assert cls is not None, name  # the spec validated it
-    return cls
 
 
 class Section(BaseModel):
@@ -133,47 +104,6 @@ class DataSection(Section):
     )
 
 
-class OptimSection(Section):
-    name: str = Field(
-        "AdamW", description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …)."
-    )
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    kwargs: dict[str, Any] = Field(
-        {}, description="Other keyword arguments of the optimizer, e.g. `{weight_decay: 0.1}`."
-    )
-    schedule: Schedule = Field(
-        "constant", description="`constant`, or `cosine` decay to `min_lr_ratio * lr`."
-    )
-    warmup_steps: int = Field(
-        0, ge=0, description="Linear warmup from 0 to `lr` over this many steps."
-    )
-    min_lr_ratio: float = Field(
-        0.0, ge=0.0, le=1.0, description="Final learning rate of `cosine`, as a fraction of `lr`."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _known_optimizer(cls, name: str) -> str:
-        if not _optimizer_class(name):
-            known = ", ".join(_optimizer_names())
-            raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
-        return name
-
-    @field_validator("kwargs")
-    @classmethod
-    def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        optimizer = _optimizer_class(info.data.get("name", ""))
-        if optimizer is None:
-            return kwargs  # the name's own error says what is wrong
-        accepted = [p for p in inspect.signature(optimizer).parameters if p not in ("params", "lr")]
-        wrong = [k for k in kwargs if k not in accepted]
-        if wrong:
-            raise ValueError(
-                f"{optimizer.__name__} does not take {', '.join(wrong)}; it takes: {', '.join(accepted)}"
-            )
-        return kwargs
-
-
 class TrainSection(Section):
     max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
     max_epochs: PositiveInt | None = Field(
@@ -191,6 +121,13 @@ class TrainSection(Section):
     )
     log_every: PositiveInt = Field(
         10, description="Print and record metrics every this many steps."
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="When the loss or the gradient norm is NaN or infinite: `stop` ends the run "
+        "(exit 1) at the next log line, naming the step, the rank and the newest finite "
+        "checkpoint; `skip` drops that step's update (one host sync per step) and stops after "
+        "10 skips in a row. A checkpoint with non-finite weights is never saved.",
     )
 
     @model_validator(mode="after")
@@ -216,6 +153,48 @@ class CheckpointSection(Section):
         alias="async",
         description="Write checkpoints in the background: training waits only while the state "
         "is copied to memory.",
+    )
+    monitor: str | None = Field(
+        None,
+        description="Keep the best checkpoints by this evaluation metric, e.g. `val/loss`: an "
+        "evaluation whose score enters the best `keep_best` saves one. Needs "
+        "`eval.every_n_steps`.",
+    )
+    mode: Mode = Field(
+        "min", description="Whether a lower (`min`) or higher (`max`) `monitor` is better."
+    )
+    keep_best: PositiveInt = Field(
+        1,
+        description="Best checkpoints kept by `monitor`, apart from `keep_last`: never pruned "
+        "for being old. `--resume best` and `train export --best` use the best.",
+    )
+
+
+class EvalSection(Section):
+    every_n_steps: PositiveInt | None = Field(
+        None,
+        description="Evaluate the recipe's `val` split every this many steps and at the end of "
+        "training; `null`: never.",
+    )
+    max_batches: PositiveInt | None = Field(
+        None, description="Batches per replica in each evaluation; `null`: the whole split."
+    )
+
+
+class EarlyStopSection(Section):
+    monitor: str | None = Field(
+        None,
+        description="Stop training when this evaluation metric (e.g. `val/loss`) stops "
+        "improving; `null`: never. Needs `eval.every_n_steps`.",
+    )
+    mode: Mode = Field(
+        "min", description="Whether a lower (`min`) or higher (`max`) `monitor` is better."
+    )
+    patience: PositiveInt = Field(
+        3, description="Evaluations without improvement before the run stops."
+    )
+    min_delta: float = Field(
+        0.0, ge=0, description="The least change of `monitor` that counts as an improvement."
     )
 
 
@@ -281,7 +260,13 @@ class RunSpec(Section):
     )
     train: TrainSection = Field(..., description="How long and how to step.")
     checkpoint: CheckpointSection = Field(
-        default_factory=CheckpointSection, description="When to save."
+        default_factory=CheckpointSection, description="When to save, and what to keep."
+    )
+    eval: EvalSection = Field(
+        default_factory=EvalSection, description="Evaluation on the recipe's `val` split."
+    )
+    early_stop: EarlyStopSection = Field(
+        default_factory=EarlyStopSection, description="Stopping a run that stopped improving."
     )
     fsdp: FSDPSection = Field(
         default_factory=FSDPSection, description="Options of `launch.strategy: fsdp`."
@@ -290,3 +275,21 @@ class RunSpec(Section):
         default_factory=XLASection,
         description="Options of the torch_xla strategies `xla`, `xla_spmd` and `xla_fsdp`.",
     )
+
+    @model_validator(mode="after")
+    def _monitors_need_evaluations(self) -> RunSpec:
+        for key, monitor in (
+            ("checkpoint.monitor", self.checkpoint.monitor),
+            ("early_stop.monitor", self.early_stop.monitor),
+        ):
+            if monitor is None:
+                continue
+            if not monitor.startswith("val/"):
+                raise ValueError(
+                    f"{key}: expected an evaluation metric such as 'val/loss', got {monitor!r}"
+                )
+            if self.eval.every_n_steps is None:
+                raise ValueError(f"{key}: needs evaluations; set eval.every_n_steps")
+        if self.checkpoint.monitor and not self.checkpoint.enabled:
+            raise ValueError("checkpoint.monitor: needs checkpoint.enabled: true")
+        return self

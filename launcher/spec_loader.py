@@ -167,6 +167,8 @@ def _describe(err: dict, where: dict[str, str]) -> str:
     # pydantic puts union members in loc (e.g. 'int', 'literal['auto']'); keep key names only.
     path = [p for p in path if not re.match(r"^(int|float|str|bool|none)$|^literal\[", p)]
     key = ".".join(path) or "(top level)"
+    if not path and re.match(r"^[a-z_]+\.[a-z_]+: ", err["msg"].removeprefix("Value error, ")):
+        return err["msg"].removeprefix("Value error, ")  # a rule across sections names its key
     origin = where.get(key)
     label = f"{key} ({origin})" if origin else key
     return f"{label}: {_explain(err, path)}"

@@ -175,13 +175,14 @@ class Checkpointer:
             raise RunError(f"{final} already exists; not overwriting it")
         os.replace(staging, final)
         _fsync_dir(final.parent)
-        if self.keep_last:
-            for old in self.layout.complete_checkpoints()[: -self.keep_last]:
-                # Unpublish first (atomic), so a crash mid-delete leaves no half checkpoint
-                # that still looks complete.
-                doomed = CheckpointFiles(old).doomed
-                os.replace(old, doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
+        # The best checkpoints as of this one are kept whatever their age.
+        best = [step for step, _ in (meta.get("best") or {}).get("kept", [])]
+        for old in self.layout.prunable(self.keep_last, protected=best):
+            # Unpublish first (atomic), so a crash mid-delete leaves no half checkpoint
+            # that still looks complete.
+            doomed = CheckpointFiles(old).doomed
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:

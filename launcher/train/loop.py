@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,11 @@ from launcher.spec import RunSpec
 from launcher.telemetry import Telemetry
 from launcher.train import checkpoint, memory
 from launcher.train.data import batch_size, build_loader, start_epoch, steps_per_epoch
+from launcher.train.evaluation import Evaluator
 from launcher.train.metrics_window import MetricsWindow
 from launcher.train.optim import build_optimizer, build_scheduler
 from launcher.train.recipe import Recipe, WeightInit
+from launcher.train.reporting import Reporter
 from launcher.train.state import ModelState, Progress, TrainState
 from launcher.train.strategies import Strategy
 
@@ -71,6 +72,10 @@ class Trainer:
         )
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
         self.state = TrainState(strategy, self.scheduler, recipe, spec)
+        self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
+        self.report = Reporter(
+            spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch
+        )
         self.checkpointer = checkpoint.Checkpointer(
             strategy,
             run_dir,
@@ -79,7 +84,6 @@ class Trainer:
             keep_last=spec.checkpoint.keep_last,
             use_async=spec.checkpoint.async_,
         )
-        self.last_loss: float | None = None
 
     @property
     def progress(self) -> Progress:
@@ -96,27 +100,12 @@ class Trainer:
             self.telemetry.close()
 
     def _introduce(self) -> None:
-        strategy = self.strategy
-        n_params = sum(p.numel() for p in self.model.parameters())
-        # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
-        self._say(
-            f"{n_params:,} parameters | {strategy.name} on {strategy.replicas} x "
-            f"{strategy.device.type} | {self.total_steps} steps, {self.steps_per_epoch} per epoch"
-            + (f" | resumed at step {self.progress.step}" if self.resume_from else ""),
-            every_rank=True,
-        )
-        devices = strategy.devices_per_process
-        self._say(
-            f"process {strategy.rank}/{strategy.world_size}: pid {os.getpid()}, "
-            f"{strategy.device}{f' and {devices - 1} more devices' if devices > 1 else ''}, "
-            f"{len(self.loader.sampler):,} samples per epoch",  # type: ignore[arg-type]
-            every_rank=True,
-        )
+        resumed = self.progress.step if self.resume_from else None
+        self.report.introduce(self.model, len(self.loader.sampler), resumed)  # type: ignore[arg-type]
 
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
-        saved_at = progress.step
-        stop_file = self.layout.stop_request
+        self.saved_at = progress.step
         stopped = False
         while progress.step < self.total_steps and not stopped:
             per_replica = progress.samples_in_epoch // self.strategy.world_size
@@ -128,25 +117,55 @@ class Trainer:
                 self._step(batches)
                 self.telemetry.step_done(time.perf_counter() - started)
                 self.telemetry.beat(progress.step)
-                if progress.step % spec.train.log_every == 0 or progress.step == self.total_steps:
-                    self._log()
-                every = spec.checkpoint.every_n_steps
-                if every and progress.step % every == 0 and spec.checkpoint.enabled:
-                    self._save()
-                    saved_at = progress.step
-                self.checkpointer.poll()
-                # The launcher asks for a stop (Ctrl-C, SIGTERM) with a file; every rank must
-                # agree on the step, or a rank that saw it late would wait for the others.
-                if self.strategy.any_rank(stop_file.exists()):
-                    stopped = True
-                    self._say(f"stop requested: stopping after step {progress.step}")
+                stopped = self._after_step()
+                if stopped:
                     break
             if progress.step < self.total_steps and not stopped:  # the epoch ran out
                 progress.epoch += 1
                 progress.samples_in_epoch = 0
-        if saved_at != progress.step and spec.checkpoint.enabled:
+        if self.saved_at != progress.step and spec.checkpoint.enabled:
             self._save()
         self._finish()
+
+    def _after_step(self) -> bool:
+        """Logs, evaluates and saves as the spec says; returns whether to stop here."""
+        spec, step = self.spec, self.progress.step
+        last = step == self.total_steps
+        if step % spec.train.log_every == 0 or last:
+            self._log()
+        every_eval = spec.eval.every_n_steps
+        best = every_eval is not None and (step % every_eval == 0 or last) and self._evaluate()
+        every = spec.checkpoint.every_n_steps
+        if spec.checkpoint.enabled and (best or (every and step % every == 0)):
+            self._save()
+        self.checkpointer.poll()
+        # Every rank must agree on the step, or a rank that saw a reason late would wait for
+        # the others: the launcher's stop request (a file: Ctrl-C, SIGTERM), a non-finite
+        # loss, early stopping. One small all-reduce.
+        early = self.state.early is not None and self.state.early.should_stop
+        requested, bad, early = self.strategy.any_rank_each(
+            [self.layout.stop_request.exists(), self.state.nonfinite.tripped, early]
+        )
+        if bad:
+            self._stop_nonfinite()
+        if early and not last:
+            self._say(self.state.early.message())  # type: ignore[union-attr]
+        elif requested:
+            self._say(f"stop requested: stopping after step {step}")
+        return requested or early
+
+    def _evaluate(self) -> bool:
+        """Evaluates the model; returns whether this is one of the best checkpoints."""
+        assert self.evaluator is not None
+        step = self.progress.step
+        started = time.perf_counter()
+        metrics = self.evaluator.run(self.model, step, lambda: self.telemetry.beat(step))
+        seconds = time.perf_counter() - started
+        self.state.window.restart_clock()  # the evaluation is not training throughput
+        self.report.evaluation(step, self.progress.epoch, metrics, seconds)
+        if self.state.early is not None:
+            self.state.early.update(step, metrics)
+        return self.state.best is not None and self.state.best.offer(step, metrics)
 
     def _finish(self) -> None:
         self.checkpointer.close()
@@ -157,18 +176,25 @@ class Trainer:
             peak_rss=memory.peak_rss_bytes(),
         )
         backend = self.strategy.summary()
+        best = self.layout.best() if self.state.best else None
+        skipped = self.state.nonfinite.skipped
         self.telemetry.write_summary(
-            final_loss=self.last_loss,
+            final_loss=self.report.last_loss,
             world_size=self.strategy.world_size,
             replicas=self.strategy.replicas,
             memory=self.memory,
+            **({"best_checkpoint": str(best.path), "best_score": best.score} if best else {}),
+            **({"skipped_updates": skipped} if skipped else {}),
             **backend,
         )
         last = self.layout.latest_complete()
+        shown = {k: v for k, v in backend.items() if not isinstance(v, dict)}
         self._say(
             f"done: {self.progress.step} steps"
-            + "".join(f" | {k} {v}" for k, v in backend.items())
+            + (f", {skipped} updates skipped (non-finite)" if skipped else "")
+            + "".join(f" | {k} {v}" for k, v in shown.items())
             + (f"; last checkpoint {last}" if last else "")
+            + (f"; best checkpoint {best.describe()}" if best else "")
         )
 
     def _step(self, batches: Any) -> None:
@@ -194,54 +220,39 @@ class Trainer:
         waited = self.checkpointer.before_update()
         if waited:
             self.telemetry.checkpoint_blocked(waited, same_save=True)
-        self.strategy.optimizer_step(self.model, self.optimizer, self.spec.train.grad_clip_norm)
-        self.scheduler.step()
         assert total_loss is not None
+        clip = self.spec.train.grad_clip_norm
+        norm = self.strategy.finish_gradients(self.model, self.optimizer, clip)
+        step = self.progress.step + 1
+        applied = self.state.nonfinite.allows_update(step, total_loss, norm)
+        if applied:
+            self.strategy.apply_update(self.optimizer)
+        else:
+            self.strategy.drop_update(self.optimizer)
+        self.scheduler.step()
         if accum > 1:
             total_loss, totals = total_loss / accum, {k: v / accum for k, v in totals.items()}
-        # Before the step's graph is cut (XLA): the window's sums are part of the step.
-        self.state.window.add(total_loss, totals)
-        self.strategy.on_step_end(self.progress.step + 1)
-        self.progress.step += 1
+        if applied:  # a skipped step's NaN would spoil the whole window's means
+            # Before the step's graph is cut (XLA): the window's sums are part of the step.
+            self.state.window.add(total_loss, totals)
+        self.strategy.on_step_end(step)
+        self.progress.step = step
         # Every replica's shard has the same length (the sampler pads), so the global count is
         # exact, also for a short last batch (data.drop_last: false).
         self.progress.samples_in_epoch += samples * self.strategy.world_size
 
     def _log(self) -> None:
         window = self.state.window
-        local = window.mean()
-        names = list(local)
-        reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names]))
-        # This rank's own loss rides along, for its heartbeat.
-        values = torch.cat([reduced, local["loss"].reshape(1).to(reduced.dtype)])
-        step, epoch = self.progress.step, self.progress.epoch
-        lr = self.scheduler.get_last_lr()[0]
-        per_step = window.seconds_per_step()
+        if not window.steps:  # every update of the window was skipped (train.on_nonfinite)
+            return
         self.state.window = MetricsWindow()
-        self.strategy.read(
-            values, lambda host: self._report(names, host, step, epoch, lr, per_step)
-        )
-
-    def _report(
-        self,
-        names: list[str],
-        values: list[float],
-        step: int,
-        epoch: int,
-        lr: float,
-        per_step: float,
-    ) -> None:
-        mean = dict(zip(names, values[:-1], strict=True))
-        rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
-        total = self.total_steps
-        self.last_loss = mean["loss"]
-        self.telemetry.status(step=step, max_steps=total, loss=values[-1], samples_per_s=rate)
-        rate *= self.strategy.replicas
-        self.telemetry.metrics(step=step, epoch=epoch, lr=lr, samples_per_s=rate, **mean)
-        extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
-        self._say(
-            f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
-            f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
+        self.report.log(
+            window,
+            self.progress.step,
+            self.progress.epoch,
+            self.scheduler.get_last_lr()[0],
+            self.state.nonfinite.device_record(),
+            then=self.state.nonfinite.note,
         )
 
     def _save(self) -> None:
@@ -249,10 +260,21 @@ class Trainer:
         # Saving must not move the random streams (XLA advances its seed at every graph cut),
         # or the run would go on drawing other numbers than a run resumed from this save.
         rng = self.strategy.rng_state()
-        self.checkpointer.save(self.progress.step)
+        with self.strategy.phase("save", self.progress.step):
+            # Collective: a rank that saw a non-finite value stops every rank, unsaved.
+            if self.strategy.any_rank(self.state.nonfinite.check_now(self.model)):
+                self._stop_nonfinite()
+            self.checkpointer.save(self.progress.step)
+        self.saved_at = self.progress.step
         self.telemetry.beat(self.progress.step)  # a long save is not a hang
         self.strategy.set_rng_state(rng)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
+
+    def _stop_nonfinite(self) -> None:
+        """Collective: ends the run with exit 1, naming what went bad and where; the saves
+        under way (all of finite weights) are published first."""
+        self.checkpointer.close()
+        raise self.state.nonfinite.failure(self.layout.latest_complete())
 
     def _restore(self, path: Path) -> None:
         if self.checkpointer.load(path):
@@ -266,8 +288,7 @@ class Trainer:
         )
 
     def _say(self, text: str, every_rank: bool = False) -> None:
-        if every_rank or self.strategy.is_main:
-            print(text, flush=True)
+        self.report.say(text, every_rank)
 
 
 def _total_steps(spec: RunSpec, steps_per_epoch: int) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from launcher.spec import OptimSection, optimizer_class
+from launcher.spec_optim import OptimSection, optimizer_class
 
 
 def build_optimizer(

@@ -51,6 +51,11 @@ class MixedPrecision:
         else:
             optimizer.step()
 
+    def skip(self) -> None:
+        """A step dropped after `unscale`: the scaler starts its next step afresh."""
+        if self.scaler:
+            self.scaler.update()
+
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler else {}
 

@@ -4,8 +4,11 @@ A recipe defines:
   build_model(**model) -> nn.Module
   build_dataset(split, **dataset) -> torch.utils.data.Dataset
   loss(model, batch) -> Tensor | (Tensor, dict of metrics)
-and may define `state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a
-checkpoint must keep (tensors, numbers, strings, lists and dicts of them).
+and may define
+  evaluate(model, batch) -> dict of metrics | Tensor | (Tensor, dict)
+for evaluation on the `val` split (default: `loss`), each metric a mean over the batch, and
+`state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a checkpoint must keep
+(tensors, numbers, strings, lists and dicts of them).
 """
 
 from __future__ import annotations
@@ -78,6 +81,16 @@ class Recipe:
         out = self.module.loss(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         return loss, dict(metrics)
+
+    def evaluate(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        """The metrics of one evaluation batch, by name: the recipe's `evaluate`, else its
+        `loss` (as `loss` plus its metrics)."""
+        hook = getattr(self.module, "evaluate", None)
+        out = hook(model, batch) if callable(hook) else self.module.loss(model, batch)
+        if isinstance(out, dict):
+            return dict(out)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        return {"loss": loss, **metrics}
 
 
 @dataclass(frozen=True)

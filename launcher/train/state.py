@@ -11,6 +11,8 @@ from torch import nn
 
 from launcher.spec import RunSpec
 from launcher.train.metrics_window import MetricsWindow
+from launcher.train.monitors import BestCheckpoints, EarlyStopping
+from launcher.train.nonfinite import NonFiniteWatch
 from launcher.train.recipe import Recipe
 from launcher.train.strategies import Strategy
 
@@ -37,15 +39,20 @@ class ModelState:
 
 
 class TrainState:
-    """The loop's own state: progress and the scheduler, the same on every rank
-    (`state_dict`), and each rank's RNG streams, metrics window and recipe state
-    (`rank_state_dict`), which continue exactly only with the world size they were saved at."""
+    """The loop's own state: progress, the scheduler, the best checkpoints, early stopping
+    and the count of skipped updates, the same on every rank (`state_dict`), and each rank's
+    RNG streams, metrics window and recipe state (`rank_state_dict`), which continue exactly
+    only with the world size they were saved at."""
 
     def __init__(self, strategy: Strategy, scheduler: Any, recipe: Recipe, spec: RunSpec) -> None:
         self.strategy, self.scheduler, self.recipe = strategy, scheduler, recipe
         self.spec = spec  # saved for the record (what made this checkpoint); never loaded
         self.progress = Progress()
         self.window = MetricsWindow()
+        ckpt, early = spec.checkpoint, spec.early_stop
+        self.best = BestCheckpoints(ckpt) if ckpt.monitor else None
+        self.early = EarlyStopping(early) if early.monitor else None
+        self.nonfinite = NonFiniteWatch(spec.train.on_nonfinite, strategy)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +60,9 @@ class TrainState:
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.strategy.world_size,
             "spec": self.spec.model_dump(mode="json", by_alias=True),
+            "best": self.best.state_dict() if self.best else None,
+            "early_stop": self.early.state_dict() if self.early else None,
+            "nonfinite": self.nonfinite.state_dict(),
         }
 
     def rank_state_dict(self) -> dict[str, Any]:
@@ -67,6 +77,10 @@ class TrainState:
         another world size: the rank's random streams are then reseeded."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.progress = Progress(**state["progress"])
+        for part, key in ((self.best, "best"), (self.early, "early_stop")):
+            if part is not None:
+                part.load_state_dict(state.get(key))
+        self.nonfinite.load_state_dict(state.get("nonfinite"))
         if own is None:
             return
         self.strategy.set_rng_state(own["rng"])

@@ -18,7 +18,7 @@ from rich.text import Text
 from launcher.launch.display.lines import rank_style
 from launcher.launch.ranks import format_ranks
 
-FIELDS = ("step", "max_steps", "loss", "samples_per_s", "elapsed_s", "attempt")
+FIELDS = ("step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt")
 # Beyond this many ranks the rest share one summary row, so the region stays small.
 MAX_ROWS = 16
 
@@ -62,16 +62,19 @@ class TelemetryBoard:
 
     def _table(self) -> Table:
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
-        for name in ("rank", "step", "loss", "samples/s", "elapsed"):
+        # The evaluation's column only once a rank has evaluated.
+        val = any("val" in record for record in self._latest.values())
+        for name in ("rank", "step", "loss", *(["val"] if val else []), "samples/s", "elapsed"):
             table.add_column(name, justify="right", no_wrap=True)
         ranks = sorted(self._latest)
         shown = ranks if len(ranks) <= MAX_ROWS else ranks[: MAX_ROWS - 1]
         for rank in shown:
-            table.add_row(Text(str(rank), style=rank_style(rank)), *_cells(self._latest[rank]))
+            cells = _cells(self._latest[rank], val)
+            table.add_row(Text(str(rank), style=rank_style(rank)), *cells)
         rest = ranks[len(shown) :]
         if rest:
             summary = _summarize([self._latest[rank] for rank in rest])
-            table.add_row(Text(format_ranks(rest), style="dim"), *_cells(summary))
+            table.add_row(Text(format_ranks(rest), style="dim"), *_cells(summary, val))
         return table
 
 
@@ -82,6 +85,7 @@ def _summarize(records: list[dict[str, float]]) -> dict[str, float]:
         ("step", min),
         ("max_steps", max),
         ("loss", fmean),
+        ("val", fmean),
         ("samples_per_s", fmean),
         ("elapsed_s", max),
     ):
@@ -91,14 +95,15 @@ def _summarize(records: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-def _cells(record: dict[str, float]) -> tuple[str, str, str, str]:
+def _cells(record: dict[str, float], val: bool = False) -> list[str]:
     step = _number(record.get("step"), "{:.0f}")
     if "max_steps" in record and "step" in record:
         step += f"/{record['max_steps']:.0f}"
     loss = _number(record.get("loss"), "{:.4g}")
     rate = record.get("samples_per_s")
     rate_text = _number(rate, "{:,.0f}" if rate is not None and rate >= 100 else "{:.1f}")
-    return step, loss, rate_text, format_elapsed(record.get("elapsed_s"))
+    evaluated = [_number(record.get("val"), "{:.4g}")] if val else []
+    return [step, loss, *evaluated, rate_text, format_elapsed(record.get("elapsed_s"))]
 
 
 def _number(value: float | None, spec: str) -> str:

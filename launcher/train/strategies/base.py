@@ -67,10 +67,21 @@ class Strategy(ABC):
     def backward(self, loss: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def optimizer_step(
+    def finish_gradients(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
     ) -> torch.Tensor | None:
-        """Clip (when max_norm is set), step and zero the gradients; returns the grad norm."""
+        """Makes the step's gradients final (reduced where the backend does it here, unscaled,
+        clipped to `max_norm` when set) and returns their global norm, on the device. None
+        where a loss scaler owns overflowing gradients and skips those steps itself."""
+
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps the optimizer and zeroes the gradients."""
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zeroes the gradients without stepping: a skipped update."""
+        optimizer.zero_grad(set_to_none=True)
 
     @abstractmethod
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -84,6 +95,12 @@ class Strategy(ABC):
         asynchronously (XLA) calls `then` once the step that computes them has run, instead
         of stalling the loop here."""
         then(values.tolist())
+
+    def phase(self, name: str, step: int) -> contextlib.AbstractContextManager[None]:
+        """Around work outside the training step (`eval`, `save`): XLA counts the graphs it
+        compiles there apart from the step's, and only the first time a phase runs may it
+        compile."""
+        return contextlib.nullcontext()
 
     def drain(self) -> None:  # noqa: B027 (an optional hook)
         """Waits until queued device work and every pending `read` are done."""
@@ -127,13 +144,27 @@ class Strategy(ABC):
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any process. Collective: every process calls it."""
+        return self.any_rank_each([flag])[0]
+
+    def any_rank_each(self, flags: list[bool]) -> list[bool]:
+        """For each flag, whether any process sets it: one small all-reduce. Collective."""
         import torch.distributed as dist
 
         if self.world_size == 1 or not dist.is_initialized():
-            return flag
-        value = torch.tensor([int(flag)])
+            return list(flags)
+        value = torch.tensor([int(flag) for flag in flags])
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group())
-        return bool(value.item())
+        return [bool(v) for v in value.tolist()]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value` (picklable), by rank. Collective; for rare messages."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.control_group())
+        return out
 
     def from_main(self, value: Any) -> Any:
         """Rank 0's `value` on every process (picklable). Collective: every process calls it."""
@@ -169,6 +200,18 @@ class Strategy(ABC):
     def replicas(self) -> int:
         """Data-parallel replicas: the devices that each take `data.batch_size` samples."""
         return self.world_size * self.devices_per_process
+
+
+def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The global norm of the gradients, clipping them to `max_norm` when it is set. Sharded
+    gradients (DTensors) give their global norm, the same on every rank."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
 
 
 def _map_tensors(batch: Any, fn: Any) -> Any:

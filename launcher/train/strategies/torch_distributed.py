@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.train.precision import MixedPrecision
-from launcher.train.strategies.base import Strategy
+from launcher.train.strategies.base import Strategy, gradient_norm
 
 
 class TorchDistributedStrategy(Strategy):
@@ -51,16 +51,21 @@ class TorchDistributedStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 
-    def optimizer_step(
+    def finish_gradients(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
     ) -> torch.Tensor | None:
-        norm = None
-        if max_norm is not None:
-            self.precision.unscale(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        self.precision.unscale(optimizer)  # the norm is of the true gradients
+        norm = gradient_norm(model, max_norm)
+        # fp16's scaler skips the steps whose gradients overflowed: not a failure of the run.
+        return None if self.precision.scaler else norm
+
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        return norm
+
+    def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
+        self.precision.skip()
+        optimizer.zero_grad(set_to_none=True)
 
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         values = values.detach().to(self.device, torch.float64).clone()

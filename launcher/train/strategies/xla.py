@@ -1,6 +1,6 @@
 """Strategy `xla`: torch_xla's classic data parallel. One replica per TPU device, started by
 torch_xla's spawn (see launcher.train.worker), each with the whole model; gradients are all-reduced
-by `xm.optimizer_step`."""
+by `xm.reduce_gradients`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch_xla.runtime as xr
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from launcher.train.strategies.base import gradient_norm
 from launcher.train.strategies.xla_common import XLAStrategyBase, join_checkpoint_group
 
 
@@ -36,19 +37,12 @@ class XLAStrategy(XLAStrategyBase):
         # Copies the next batches to the device in background threads while a step runs.
         return pl.MpDeviceLoader(loader, self.device)
 
-    def optimizer_step(
+    def finish_gradients(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
     ) -> torch.Tensor | None:
-        if max_norm is None:
-            xm.optimizer_step(optimizer)  # all-reduces the gradients, then steps
-            norm = None
-        else:
-            # optimizer_step's own two halves, with the clipping between them.
-            xm.reduce_gradients(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
+        # The first half of xm.optimizer_step; `apply_update` is the second.
+        xm.reduce_gradients(optimizer)
+        return gradient_norm(model, max_norm)
 
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         values = values.detach().float()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ class CompileGuard:
         self.reads: list[int] = []  # steps run when the loop read metrics, the first two
         self.seen = 0
         self.after_warmup = 0
+        self.by_phase: dict[str, list[int]] = {}  # phase: compilations at its first run, later
+        self.expect_until = 0  # a phase's first run changes the graph of the step after it
 
     def reading(self) -> None:
         if len(self.reads) < 2:
@@ -64,22 +66,39 @@ class CompileGuard:
         self.steps_run += 1
         now = self.compilations()
         new, self.seen = now - self.seen, now
-        if new and not self.warming_up():
-            self.after_warmup += new
-            message = (
-                f"step {step}: XLA compiled {new} new graph{'s' if new > 1 else ''} after "
-                "warm-up. A shape or a Python value in the step changed, and each change "
-                "costs a full compile (README: 'Recompilations')."
-            )
-            if self.strict:
-                raise RunError(message, hint="Or drop --strict-compile / xla.strict_compile.")
-            print(f"WARNING: {message}", file=sys.stderr, flush=True)
+        if new and not self.warming_up() and self.steps_run > self.expect_until:
+            self._unexpected(new, f"step {step}", "in the step")
+
+    def after_phase(self, name: str, step: int) -> None:
+        """After an evaluation or a save: its graphs are compiled the first time it runs."""
+        now = self.compilations()
+        new, self.seen = now - self.seen, now
+        counts = self.by_phase.get(name)
+        if counts is None:
+            self.by_phase[name] = [new, 0]
+            self.expect_until = self.steps_run + 1
+        elif new:
+            counts[1] += new
+            self._unexpected(new, f"{name} at step {step}", f"in the {name}")
+
+    def _unexpected(self, new: int, where: str, inside: str) -> None:
+        self.after_warmup += new
+        message = (
+            f"{where}: XLA compiled {new} new graph{'s' if new > 1 else ''} after warm-up. "
+            f"A shape or a Python value {inside} changed, and each change costs a full "
+            "compile (README: 'Recompilations')."
+        )
+        if self.strict:
+            raise RunError(message, hint="Or drop --strict-compile / xla.strict_compile.")
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
     def summary(self) -> dict[str, Any]:
         return {
             "xla_compilations": self.compilations(),
             "xla_compile_s": round(self.compile_seconds(), 2),
             "xla_compilations_after_warmup": self.after_warmup,
+            # Not shown on the last line (it names only numbers): summary.json alone.
+            "xla_phase_compilations": self.by_phase,
         }
 
 
@@ -124,6 +143,16 @@ class XLAStrategyBase(Strategy):
     def on_step_end(self, step: int) -> None:
         torch_xla.sync()  # cut the step's graph here and run it
         self.guard.after_step(step)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        # Work queued since the step (the metrics of a log line) runs on its own here, a graph
+        # the next step would otherwise have merged: expected, and small.
+        torch_xla.sync()
+        self.guard.seen = self.guard.compilations()
+        yield
+        torch_xla.sync()
+        self.guard.after_phase(name, step)
 
     def read(self, values: torch.Tensor, then: Callable[[list[float]], None]) -> None:
         # Runs once the graph that computes `values` has run: reading them now would run the

@@ -21,6 +21,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
 
+from launcher.train.strategies.base import gradient_norm
 from launcher.train.strategies.xla_common import XLAStrategyBase, join_checkpoint_group
 
 # FSDPv2 shards over the mesh axis named "fsdp"; the batch is split along the same axis.
@@ -52,16 +53,11 @@ class XLASpmdStrategy(XLAStrategyBase):
         sharding = _BatchSharding(self.mesh, minibatch=self.world_size > 1)
         return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
 
-    def optimizer_step(
+    def finish_gradients(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
     ) -> torch.Tensor | None:
         # The gradients are global tensors: the compiler has already reduced them.
-        norm = None
-        if max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
+        return gradient_norm(model, max_norm)
 
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         # Computed from the global batch already, and the same on every host.

@@ -1,0 +1,78 @@
+"""The `optim` section: it needs torch to check optimizer names and their keyword arguments."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+Schedule = Literal["constant", "cosine"]
+
+
+def _optimizer_names() -> list[str]:
+    return sorted(
+        n
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type)
+        and issubclass(c, torch.optim.Optimizer)
+        and c is not torch.optim.Optimizer
+    )
+
+
+def _optimizer_class(name: str) -> type[torch.optim.Optimizer] | None:
+    cls = getattr(torch.optim, name, None)
+    ok = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+    return cls if ok and cls is not torch.optim.Optimizer else None
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    cls = _optimizer_class(name)
+    assert cls is not None, name  # the spec validated it
+    return cls
+
+
+class OptimSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    name: str = Field(
+        "AdamW", description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …)."
+    )
+    lr: float = Field(
+        1e-3, ge=0, description="Peak learning rate (0 leaves the weights as they are)."
+    )
+    kwargs: dict[str, Any] = Field(
+        {}, description="Other keyword arguments of the optimizer, e.g. `{weight_decay: 0.1}`."
+    )
+    schedule: Schedule = Field(
+        "constant", description="`constant`, or `cosine` decay to `min_lr_ratio * lr`."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warmup from 0 to `lr` over this many steps."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Final learning rate of `cosine`, as a fraction of `lr`."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_optimizer(cls, name: str) -> str:
+        if not _optimizer_class(name):
+            known = ", ".join(_optimizer_names())
+            raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
+        return name
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        optimizer = _optimizer_class(info.data.get("name", ""))
+        if optimizer is None:
+            return kwargs  # the name's own error says what is wrong
+        accepted = [p for p in inspect.signature(optimizer).parameters if p not in ("params", "lr")]
+        wrong = [k for k in kwargs if k not in accepted]
+        if wrong:
+            raise ValueError(
+                f"{optimizer.__name__} does not take {', '.join(wrong)}; it takes: {', '.join(accepted)}"
+            )
+        return kwargs

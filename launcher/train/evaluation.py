@@ -1,0 +1,140 @@
+"""Evaluation on the recipe's `val` split: the exact mean over the split, on any number of
+replicas.
+
+Every replica runs the same number of batches of the same shapes (FSDP gathers parameters in
+every forward, XLA compiles each shape): the sampler pads the split to a multiple of the world
+size by repeating samples, as DistributedSampler does. Padding is never counted: it sits at
+the end of each replica's share, so a batch holding some is cut to its real samples, and a
+batch of padding alone runs for the collectives but weighs nothing. Each batch's metrics are
+weighted by its number of real samples, and sums and counts are reduced across replicas, so
+1, 2 or 3 processes give the same mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from launcher.errors import RunError, UsageError
+from launcher.spec import RunSpec
+from launcher.train.data import batch_size
+from launcher.train.recipe import Recipe
+from launcher.train.strategies import Strategy
+
+
+class Evaluator:
+    def __init__(self, recipe: Recipe, spec: RunSpec, strategy: Strategy) -> None:
+        self.recipe, self.strategy = recipe, strategy
+        dataset = recipe.build_dataset("val", **spec.recipe.dataset)
+        size = _length(dataset)
+        world, rank = strategy.world_size, strategy.rank
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False
+        )
+        self.batch = spec.data.batch_size * strategy.devices_per_process
+        self.loader = DataLoader(
+            dataset,
+            batch_size=self.batch,
+            sampler=sampler,
+            num_workers=spec.data.num_workers,
+            pin_memory=strategy.device.type == "cuda",
+            generator=torch.Generator(),  # its seeds never come from the training streams
+        )
+        limit = spec.eval.max_batches
+        batches = len(self.loader) if limit is None else min(limit, len(self.loader))
+        # The sampler deals the split round-robin: replica r's real samples are r, r+W, ...
+        real, share = len(range(rank, size, world)), sampler.num_samples
+        self.weights = [
+            max(0, min(real - i * self.batch, share - i * self.batch, self.batch))
+            for i in range(batches)
+        ]
+
+    def run(self, model: torch.nn.Module, step: int, alive: Callable[[], None]) -> dict[str, float]:
+        """Collective: the split's mean of every metric, as `val/<name>`, the same on every
+        rank. The training random streams are left as they were; `alive` is called after
+        each batch (the hang watchdog's heartbeat)."""
+        strategy = self.strategy
+        rng = strategy.rng_state()
+        was_training = model.training
+        model.eval()
+        try:
+            with strategy.phase("eval", step), torch.no_grad():
+                sums, count = self._accumulate(model, alive)
+                names = sorted(sums)
+                values = torch.stack([*(sums[k] for k in names), count])
+                reduced = strategy.reduce_mean(values).cpu().tolist()
+        finally:
+            model.train(was_training)
+            strategy.set_rng_state(rng)
+        *totals, samples = reduced
+        return {f"val/{k}": total / samples for k, total in zip(names, totals, strict=True)}
+
+    def _accumulate(
+        self, model: torch.nn.Module, alive: Callable[[], None]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        device = self.strategy.device
+        sums: dict[str, torch.Tensor] = {}
+        count = torch.zeros((), device=device)
+        batches = self.strategy.loader(_RealSamples(self.loader, self.weights))
+        for weight, batch in zip(self.weights, batches, strict=False):
+            with self.strategy.autocast():
+                metrics = self.recipe.evaluate(model, batch)
+            if sums and sorted(metrics) != sorted(sums):
+                raise RunError(
+                    f"recipe: evaluate() returned {sorted(metrics)} for one batch and "
+                    f"{sorted(sums)} for another; every batch must give the same metrics"
+                )
+            # A tensor, not a Python number: XLA would bake each new number into its graph.
+            w = torch.tensor(float(weight), device=device)
+            for name, value in metrics.items():
+                value = torch.as_tensor(value, device=device).detach().float() * w
+                sums[name] = sums[name] + value if name in sums else value
+            count = count + w
+            alive()
+        return sums, count
+
+
+class _RealSamples:
+    """The loader's batches, each cut to its real samples (a batch of padding alone stays
+    whole: it runs, weighing nothing)."""
+
+    def __init__(self, loader: DataLoader, weights: list[int]) -> None:
+        self.loader, self.weights = loader, weights
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __iter__(self) -> Iterator[Any]:
+        for weight, batch in zip(self.weights, self.loader, strict=False):
+            yield _take(batch, weight) if 0 < weight < batch_size(batch) else batch
+
+
+def _take(batch: Any, n: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, dict):
+        return {k: _take(v, n) for k, v in batch.items()}
+    if isinstance(batch, list) and not any(
+        isinstance(v, (torch.Tensor, list, tuple, dict)) for v in batch
+    ):
+        return batch[:n]  # one item per sample (strings, say), as default_collate makes them
+    if isinstance(batch, (list, tuple)):
+        items = [_take(v, n) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def _length(dataset: Dataset) -> int:
+    try:
+        size = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(
+            "recipe: build_dataset('val') must return a map-style Dataset with __len__ "
+            "(eval.every_n_steps is set)"
+        ) from None
+    if size == 0:
+        raise UsageError("recipe: build_dataset('val') is empty (eval.every_n_steps is set)")
+    return size

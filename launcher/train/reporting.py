@@ -1,0 +1,105 @@
+"""What a run says: rank 0's log lines and metrics records, and every rank's status records
+for the live table (files: `launcher.telemetry`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from launcher.spec import RunSpec
+from launcher.telemetry import Telemetry
+from launcher.train.metrics_window import MetricsWindow
+from launcher.train.strategies import Strategy
+
+
+class Reporter:
+    def __init__(
+        self,
+        spec: RunSpec,
+        strategy: Strategy,
+        telemetry: Telemetry,
+        total_steps: int,
+        steps_per_epoch: int,
+    ) -> None:
+        self.spec, self.strategy, self.telemetry = spec, strategy, telemetry
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.last_loss: float | None = None
+        self.last_val: float | None = None  # the table's `val` column
+        monitor = spec.checkpoint.monitor or spec.early_stop.monitor
+        self.shown_val = monitor or "val/loss"
+
+    def introduce(self, model: torch.nn.Module, samples: int, resumed_at: int | None) -> None:
+        strategy = self.strategy
+        n_params = sum(p.numel() for p in model.parameters())
+        # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
+        self.say(
+            f"{n_params:,} parameters | {strategy.name} on {strategy.replicas} x "
+            f"{strategy.device.type} | {self.total_steps} steps, {self.steps_per_epoch} per "
+            "epoch" + (f" | resumed at step {resumed_at}" if resumed_at is not None else ""),
+            every_rank=True,
+        )
+        devices = strategy.devices_per_process
+        self.say(
+            f"process {strategy.rank}/{strategy.world_size}: pid {os.getpid()}, "
+            f"{strategy.device}{f' and {devices - 1} more devices' if devices > 1 else ''}, "
+            f"{samples:,} samples per epoch",
+            every_rank=True,
+        )
+
+    def say(self, text: str, every_rank: bool = False) -> None:
+        if every_rank or self.strategy.is_main:
+            print(text, flush=True)
+
+    def log(
+        self,
+        window: MetricsWindow,
+        step: int,
+        epoch: int,
+        lr: float,
+        own: torch.Tensor,
+        then: Callable[[list[float]], None],
+    ) -> None:
+        """The window's means over every replica, read without stalling the device. `own`
+        (this rank's values, not reduced) rides along; `then` gets their host values."""
+        local = window.mean()
+        names = list(local)
+        reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names]))
+        # This rank's own loss rides along too, for its heartbeat.
+        values = torch.cat(
+            [reduced, local["loss"].reshape(1).to(reduced.dtype), own.to(reduced.dtype)]
+        )
+        per_step = window.seconds_per_step()
+
+        def report(host: list[float]) -> None:
+            mean = dict(zip(names, host[: len(names)], strict=True))
+            self._report(mean, host[len(names)], step, epoch, lr, per_step)
+            then(host[len(names) + 1 :])
+
+        self.strategy.read(values, report)
+
+    def _report(
+        self, mean: dict[str, float], own_loss: float, step: int, epoch: int, lr: float,
+        per_step: float,
+    ) -> None:  # fmt: skip
+        rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
+        total = self.total_steps
+        self.last_loss = mean["loss"]
+        self.telemetry.status(
+            step=step, max_steps=total, loss=own_loss, samples_per_s=rate, val=self.last_val
+        )
+        rate *= self.strategy.replicas
+        self.telemetry.metrics(step=step, epoch=epoch, lr=lr, samples_per_s=rate, **mean)
+        extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
+        self.say(
+            f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
+            f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
+        )
+
+    def evaluation(self, step: int, epoch: int, metrics: dict[str, float], seconds: float) -> None:
+        self.last_val = metrics.get(self.shown_val)
+        self.telemetry.status(step=step, max_steps=self.total_steps, val=self.last_val)
+        self.telemetry.metrics(step=step, epoch=epoch, eval_s=round(seconds, 3), **metrics)
+        shown = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.say(f"eval at step {step} | {shown} | {seconds:.2f} s")

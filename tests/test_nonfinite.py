@@ -1,0 +1,108 @@
+"""A loss that turns NaN (`train.on_nonfinite`): `stop` ends the run with exit 1 and names the
+step, the rank and the newest finite checkpoint, which `keep_last` never prunes; `skip` drops
+the bad updates and stops only after 10 in a row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import only_run_dir, run_train, write_spec
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher_only]
+
+# The loss of rank `bad_rank` is NaN at its optimizer steps `first`..`last` (1 micro-step each).
+NAN_RECIPE = """
+import os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+calls = 0
+WINDOW = {}
+
+
+def build_model(first, last, bad_rank=1):
+    WINDOW.update(first=first, last=last, here=int(os.environ["RANK"]) == bad_rank)
+    return nn.Linear(4, 1)
+
+
+def build_dataset(split):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(4096, 4, generator=g), torch.randn(4096, 1, generator=g))
+
+
+def loss(model, batch):
+    global calls
+    calls += 1
+    x, y = batch
+    value = nn.functional.mse_loss(model(x), y)
+    if WINDOW["here"] and WINDOW["first"] <= calls <= WINDOW["last"]:
+        value = value * float("nan")
+    return value
+"""
+
+
+def _spec(folder: Path, policy: str, last: int) -> Path:
+    recipe = folder / "nan_recipe.py"
+    recipe.write_text(NAN_RECIPE)
+    return write_spec(
+        folder / "run.yaml",
+        recipe={"source": str(recipe), "model": {"first": 30, "last": last}, "dataset": {}},
+        train={"max_steps": 60, "log_every": 5, "on_nonfinite": policy},
+        checkpoint={"every_n_steps": 10, "keep_last": 1},
+    )
+
+
+def _checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def _finite_weights(checkpoint: Path, scratch: Path) -> bool:
+    dcp_to_torch_save(checkpoint, scratch)
+    model = torch.load(scratch, weights_only=True)["model"]
+    return all(torch.isfinite(t).all() for t in model.values())
+
+
+def test_stop_names_the_step_the_rank_and_the_last_finite_checkpoint(tmp_path: Path) -> None:
+    result = run_train(["--config", str(_spec(tmp_path, "stop", last=10**9))], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    run = only_run_dir(tmp_path / "runs")
+    finite = run / "checkpoints" / "step-00000020"
+    assert "non-finite values: step 30: the loss on rank 1 and the gradient norm are" in output
+    assert f"resume from the newest finite checkpoint, {finite}" in output
+    assert "Traceback" not in output
+    # No checkpoint after the bad step was written; keep_last: 1 left the finite one.
+    assert _checkpoints(run) == ["step-00000020"]
+    assert _finite_weights(finite, tmp_path / "w.pt")
+
+
+def test_skip_drops_the_bad_updates_and_goes_on(tmp_path: Path) -> None:
+    result = run_train(["--config", str(_spec(tmp_path, "skip", last=32))], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    for step in (30, 31, 32):
+        bad = f"step {step}: the loss on rank 1 and the gradient norm are not finite"
+        assert f"{bad}; update skipped" in output
+    assert "done: 60 steps, 3 updates skipped (non-finite)" in output
+    run = only_run_dir(tmp_path / "runs")
+    assert json.loads((run / "summary.json").read_text())["skipped_updates"] == 3
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(loss == loss for loss in losses)  # no NaN in any logged mean
+    assert _finite_weights(run / "checkpoints" / "step-00000060", tmp_path / "w.pt")
+
+
+def test_skip_stops_after_ten_skips_in_a_row(tmp_path: Path) -> None:
+    result = run_train(["--config", str(_spec(tmp_path, "skip", last=10**9))], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "10 updates in a row skipped, the last at step 39: the loss on rank 1" in output
+    run = only_run_dir(tmp_path / "runs")
+    # Step 30's own update was dropped, so its weights (saved) are finite; 40 is never reached.
+    assert _checkpoints(run) == ["step-00000030"]
+    assert f"newest finite checkpoint, {run / 'checkpoints' / 'step-00000030'}" in output

@@ -42,7 +42,11 @@ def one_run(train: str, batches: int, overrides: list[str]) -> dict[str, float]:
     evals = [r["eval_s"] for r in records if "eval_s" in r][1:]
     step = summary["median_step_s"]
     per_batch = statistics.median(evals) / batches
-    return {"train_step_ms": 1000 * step, "eval_batch_ms": 1000 * per_batch, "ratio": per_batch / step}
+    return {
+        "train_step_ms": 1000 * step,
+        "eval_batch_ms": 1000 * per_batch,
+        "ratio": per_batch / step,
+    }
 
 
 def main() -> None:
@@ -59,7 +63,9 @@ def main() -> None:
     out.write_text(json.dumps({"runs": runs, "median": median}, indent=1))
     print("| training step (ms) | evaluation batch (ms) | evaluation batch / training step |")
     print("|---|---|---|")
-    print(f"| {median['train_step_ms']:.1f} | {median['eval_batch_ms']:.1f} | {median['ratio']:.2f} |")
+    print(
+        f"| {median['train_step_ms']:.1f} | {median['eval_batch_ms']:.1f} | {median['ratio']:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -61,16 +61,16 @@ def _is_dtype(module: str, name: str) -> bool:
     )
 
 
-def read_metadata(path: Path) -> Any:
+def read_metadata(path: Path, flag: str = "--resume") -> Any:
+    """DCP's metadata of the checkpoint at `path`; errors name `flag`, the flag or command
+    that was given the path (`--resume`, `train export`)."""
     try:
         with open(CheckpointFiles(path).dcp_metadata, "rb") as f:
             return _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise UsageError(f"--resume {path}: no .metadata file; not a complete checkpoint") from None
+        raise UsageError(f"{flag} {path}: no .metadata file; not a complete checkpoint") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-        raise UsageError(
-            f"--resume {path}: corrupt or unsafe checkpoint metadata ({exc})"
-        ) from None
+        raise UsageError(f"{flag} {path}: corrupt or unsafe checkpoint metadata ({exc})") from None
 
 
 def check_matches(path: Path, state: dict[str, Any], limit: int = 10) -> None:

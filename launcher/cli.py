@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
+from launcher.cli_spec import load_cli_spec
 from launcher.errors import LauncherError
 from launcher.spec import LaunchSection
 
@@ -32,6 +33,8 @@ Examples:
   train validate --config my_run.yaml     (check a spec and its recipe, run nothing)
 
   train slurm --config my_run.yaml --nodes 4 --gpus-per-node 8 > job.sbatch
+
+  train export runs/my_run/20261121-103405 --out model.safetensors   (the newest checkpoint's model)
 """
 
 
@@ -80,8 +83,9 @@ def run_command(
         str | None,
         typer.Option(
             help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
-            "or `latest`: the newest run of this run.name; with --rdzv-id (or in SLURM), that "
-            "job's own folder, if it has a checkpoint yet."
+            "`latest`: the newest run of this run.name (with --rdzv-id or in SLURM, that job's "
+            "own folder, if it has a checkpoint yet), or `best`: that run's best checkpoint by "
+            "checkpoint.monitor."
         ),
     ] = None,
     run_dir: Annotated[
@@ -151,7 +155,7 @@ def run_command(
 
         nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
 
-        spec = _load(
+        spec = load_cli_spec(
             config,
             overrides,
             strict_compile=strict_compile,
@@ -179,7 +183,7 @@ def validate_command(
     """Check a run spec and its recipe without running anything."""
 
     def go() -> int:
-        spec = _load(config, overrides)
+        spec = load_cli_spec(config, overrides)
         _check_recipe(spec.recipe.source)
         err.print(f"{config}: ok")
         return 0
@@ -207,7 +211,7 @@ def slurm_command(
     def go() -> int:
         from launcher.launch.slurm import sbatch_script
 
-        spec = _load(config, overrides)
+        spec = load_cli_spec(config, overrides)
         _check_recipe(spec.recipe.source)
         script = sbatch_script(
             str(config),
@@ -226,24 +230,40 @@ def slurm_command(
     raise typer.Exit(_guarded(go, debug))
 
 
-def _load(  # type: ignore[no-untyped-def]
-    config: Path, overrides: list[str] | None, strict_compile: bool = False, **flags: str | None
-):
-    from launcher.spec_loader import load_spec, parse_yaml_value
+@app.command("export")
+def export_command(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint folder, or a run folder (its newest complete checkpoint).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="The file to write: .safetensors, or .pt/.pth/.bin (torch.save). An existing "
+            "file is never overwritten."
+        ),
+    ],
+    best: Annotated[
+        bool,
+        typer.Option(
+            "--best", help="Export the run's best checkpoint by checkpoint.monitor instead."
+        ),
+    ] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Write a checkpoint's model as one file that plain PyTorch loads: the whole, unsharded
+    state_dict, for any strategy and number of processes. Starts no processes."""
 
-    # Numbers and `null` are read as YAML, as in overrides; names stay strings.
-    typed = ("devices", "max_restarts", "stall_timeout")
-    given: dict[str, tuple[str, object]] = {
-        f"launch.{key}": (
-            f"--{key.replace('_', '-')}",
-            parse_yaml_value(value) if key in typed else value,
-        )
-        for key, value in flags.items()
-        if value is not None
-    }
-    if strict_compile:
-        given["xla.strict_compile"] = ("--strict-compile", True)
-    return load_spec(config, overrides or [], flags=given)
+    def go() -> int:
+        from launcher.train.export import export
+
+        typer.echo(export(source, out, best=best).describe())
+        return 0
+
+    raise typer.Exit(_guarded(go, debug))
 
 
 def _check_recipe(source: str) -> None:

@@ -148,6 +148,10 @@ def test_best_checkpoints_survive_pruning_and_resume(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["best_checkpoint"], summary["best_score"]) == (str(best), 0.5)
 
+    exported = run_train(["export", str(run), "--best", "--out", "best.pt"], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert str(best) in exported.stdout + exported.stderr
+
     branch = tmp_path / "branch"
     third = run_train(
         ["--config", str(spec), "--resume", "best", "--run-dir", str(branch)], cwd=tmp_path

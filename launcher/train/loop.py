@@ -125,6 +125,8 @@ class Trainer:
                 progress.samples_in_epoch = 0
         if self.saved_at != progress.step and spec.checkpoint.enabled:
             self._save()
+        else:  # nothing went bad unnoticed, also where log lines are read late (XLA)
+            self._check_finite()
         self._finish()
 
     def _after_step(self) -> bool:
@@ -175,26 +177,13 @@ class Trainer:
             optimizer=memory.optimizer_bytes(self.optimizer),
             peak_rss=memory.peak_rss_bytes(),
         )
-        backend = self.strategy.summary()
-        best = self.layout.best() if self.state.best else None
-        skipped = self.state.nonfinite.skipped
-        self.telemetry.write_summary(
-            final_loss=self.report.last_loss,
-            world_size=self.strategy.world_size,
-            replicas=self.strategy.replicas,
-            memory=self.memory,
-            **({"best_checkpoint": str(best.path), "best_score": best.score} if best else {}),
-            **({"skipped_updates": skipped} if skipped else {}),
-            **backend,
-        )
-        last = self.layout.latest_complete()
-        shown = {k: v for k, v in backend.items() if not isinstance(v, dict)}
-        self._say(
-            f"done: {self.progress.step} steps"
-            + (f", {skipped} updates skipped (non-finite)" if skipped else "")
-            + "".join(f" | {k} {v}" for k, v in shown.items())
-            + (f"; last checkpoint {last}" if last else "")
-            + (f"; best checkpoint {best.describe()}" if best else "")
+        self.report.finish(
+            self.progress.step,
+            self.memory,
+            self.strategy.summary(),
+            best=self.layout.best() if self.state.best else None,
+            skipped=self.state.nonfinite.skipped,
+            last=self.layout.latest_complete(),
         )
 
     def _step(self, batches: Any) -> None:
@@ -260,15 +249,21 @@ class Trainer:
         # Saving must not move the random streams (XLA advances its seed at every graph cut),
         # or the run would go on drawing other numbers than a run resumed from this save.
         rng = self.strategy.rng_state()
-        with self.strategy.phase("save", self.progress.step):
-            # Collective: a rank that saw a non-finite value stops every rank, unsaved.
-            if self.strategy.any_rank(self.state.nonfinite.check_now(self.model)):
-                self._stop_nonfinite()
-            self.checkpointer.save(self.progress.step)
+        self._check_finite()
+        # The check cut XLA's graph: the checkpoint must record the streams from before it.
+        self.strategy.set_rng_state(rng)
+        self.checkpointer.save(self.progress.step)
         self.saved_at = self.progress.step
         self.telemetry.beat(self.progress.step)  # a long save is not a hang
         self.strategy.set_rng_state(rng)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
+
+    def _check_finite(self) -> None:
+        """Collective: a rank that saw a non-finite value stops every rank, unsaved."""
+        with self.strategy.phase("check", self.progress.step):
+            bad = self.state.nonfinite.check_now(self.model)
+        if self.strategy.any_rank(bad):
+            self._stop_nonfinite()
 
     def _stop_nonfinite(self) -> None:
         """Collective: ends the run with exit 1, naming what went bad and where; the saves

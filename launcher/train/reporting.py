@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from launcher.run_layout import Best
 from launcher.spec import RunSpec
 from launcher.telemetry import Telemetry
 from launcher.train.metrics_window import MetricsWindow
@@ -103,3 +106,31 @@ class Reporter:
         self.telemetry.metrics(step=step, epoch=epoch, eval_s=round(seconds, 3), **metrics)
         shown = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self.say(f"eval at step {step} | {shown} | {seconds:.2f} s")
+
+    def finish(
+        self,
+        step: int,
+        memory: dict[str, int],
+        backend: dict[str, Any],
+        best: Best | None,
+        skipped: int,
+        last: Path | None,
+    ) -> None:
+        """summary.json and the last line."""
+        self.telemetry.write_summary(
+            final_loss=self.last_loss,
+            world_size=self.strategy.world_size,
+            replicas=self.strategy.replicas,
+            memory=memory,
+            **({"best_checkpoint": str(best.path), "best_score": best.score} if best else {}),
+            **({"skipped_updates": skipped} if skipped else {}),
+            **backend,
+        )
+        shown = {k: v for k, v in backend.items() if not isinstance(v, dict)}
+        self.say(
+            f"done: {step} steps"
+            + (f", {skipped} updates skipped (non-finite)" if skipped else "")
+            + "".join(f" | {k} {v}" for k, v in shown.items())
+            + (f"; last checkpoint {last}" if last else "")
+            + (f"; best checkpoint {best.describe()}" if best else "")
+        )

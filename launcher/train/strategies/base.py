@@ -97,7 +97,7 @@ class Strategy(ABC):
         then(values.tolist())
 
     def phase(self, name: str, step: int) -> contextlib.AbstractContextManager[None]:
-        """Around work outside the training step (`eval`, `save`): XLA counts the graphs it
+        """Around work outside the training step (`eval`, the `check` before a save): XLA counts the graphs it
         compiles there apart from the step's, and only the first time a phase runs may it
         compile."""
         return contextlib.nullcontext()

@@ -1,0 +1,31 @@
+"""The run spec as the CLI's commands load it: YAML, `key=value` overrides, then flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from launcher.spec import RunSpec
+
+
+def load_cli_spec(
+    config: Path, overrides: list[str] | None, strict_compile: bool = False, **flags: str | None
+) -> RunSpec:
+    """The spec `--config` names, with `overrides` and the flags given (`--devices` ...) applied
+    by precedence: flag > key=value > YAML > default."""
+    from launcher.spec_loader import load_spec, parse_yaml_value
+
+    # Numbers and `null` are read as YAML, as in overrides; names stay strings.
+    typed = ("devices", "max_restarts", "stall_timeout")
+    given: dict[str, tuple[str, object]] = {
+        f"launch.{key}": (
+            f"--{key.replace('_', '-')}",
+            parse_yaml_value(value) if key in typed else value,
+        )
+        for key, value in flags.items()
+        if value is not None
+    }
+    if strict_compile:
+        given["xla.strict_compile"] = ("--strict-compile", True)
+    return load_spec(config, overrides or [], flags=given)

@@ -45,6 +45,7 @@ bench: env
 	$(VENV)/bin/python bench/checkpoint_blocking.py
 	$(VENV)/bin/python bench/fsdp_memory.py
 	$(VENV)/bin/python bench/log_flood.py
+	$(VENV)/bin/python bench/eval_cost.py
 
 clean:
 	rm -rf $(VENV) $(VENV_XLA) build *.egg-info

@@ -163,6 +163,9 @@ class RunLayout:
         ]
         return sorted(found, key=lambda p: step_of(p) or 0)
 
+    def complete_steps(self) -> set[int]:
+        return {step_of(p) or 0 for p in self.complete_checkpoints()}
+
     def latest_complete(self) -> Path | None:
         done = self.complete_checkpoints()
         return done[-1] if done else None

@@ -152,12 +152,15 @@ def test_best_checkpoints_survive_pruning_and_resume(tmp_path: Path) -> None:
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert str(best) in exported.stdout + exported.stderr
 
-    branch = tmp_path / "branch"
+    # The best is not the newest: the run branches off into a folder of its own.
     third = run_train(
-        ["--config", str(spec), "--resume", "best", "--run-dir", str(branch)], cwd=tmp_path
+        ["--config", str(spec), "--resume", "best", "train.max_steps=14"], cwd=tmp_path
     )
     assert third.returncode == 0, third.stdout + third.stderr
     assert "resumed at step 12" in third.stdout
+    assert _steps(run) == [4, 12, 14]
+    (branch,) = [p for p in (tmp_path / "runs" / "t").iterdir() if p != run]
+    assert _steps(branch) == [14]
 
 
 def _gpt(folder: Path, **sections: dict) -> Path:

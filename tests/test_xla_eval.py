@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from recipes import mlp
+from tests.test_nonfinite import NAN_RECIPE
 from tests.test_xla import _spec, _summary, _train, needs_xla
 
 pytestmark = pytest.mark.timeout(400)
@@ -50,3 +51,34 @@ def test_xla_evaluates_the_exact_mean_and_compiles_it_once(
     first, later = summary["xla_phase_compilations"]["eval"]
     assert first > 0 and later == 0  # compiled at the first evaluation, never again
     assert summary["xla_compilations_after_warmup"] == 0
+
+
+@needs_xla
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_nan_loss_on_xla(tmp_path: Path, policy: str) -> None:
+    """The checks run inside XLA's step graph: `skip` drops steps 30-32 and goes on without a
+    recompilation warning; `stop` ends the run, naming step 30 and the last finite save."""
+    recipe = tmp_path / "nan_recipe.py"
+    recipe.write_text(NAN_RECIPE)
+    spec = _spec(
+        tmp_path,
+        "xla",
+        1,
+        recipe={
+            "source": str(recipe),
+            "model": {"first": 30, "last": 32, "bad_rank": 0},
+            "dataset": {},
+        },
+        train={"max_steps": 40, "log_every": 5, "on_nonfinite": policy},
+        checkpoint={"every_n_steps": 10, "keep_last": 1},
+    )
+    result = _train(tmp_path, spec, "--run-dir", str(tmp_path / "run"))
+    output = result.stdout + result.stderr
+    if policy == "skip":
+        assert result.returncode == 0, output
+        assert "done: 40 steps, 3 updates skipped (non-finite)" in output
+        assert "XLA compiled" not in output
+    else:
+        assert result.returncode == 1, output
+        assert "non-finite values: step 30: the loss on rank 0" in output
+        assert f"finite checkpoint, {tmp_path / 'run' / 'checkpoints' / 'step-00000020'}" in output

@@ -190,6 +190,10 @@ def _run_and_resume(
     output_dir, name = Path(spec.run.output_dir), spec.run.name
     if nodes.job_id is None:
         resume_from = _resume_point(resume, output_dir, name)
+        if resume == "best" and run_dir is None:
+            # The best is rarely the newest: continuing in its folder would overwrite newer
+            # checkpoints, so the run branches off into a folder of its own.
+            run_dir = run_choice.new_run_dir(output_dir, name)
         return run_choice.own_run(output_dir, name, run_dir, resume_from), resume_from
     run_dir = run_dir or run_choice.job_run_dir(output_dir, name, nodes.job_id)
     run_choice.refuse_finished_job(run_dir, nodes.job_id)

@@ -28,7 +28,7 @@ from launcher.checkpoint_format import check_matches
 from launcher.errors import RunError
 from launcher.run_layout import CheckpointFiles, RunLayout, latest_complete
 from launcher.train.state import ModelState, TrainState
-from launcher.train.strategies.base import Strategy
+from launcher.train.strategies.base import Strategy, local_shard
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -198,8 +198,7 @@ def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None)
 
 
 def _address(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.data_ptr()
+    return local_shard(tensor).data_ptr()
 
 
 def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any] | None:

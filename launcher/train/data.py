@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from launcher.errors import UsageError
-from launcher.spec import DataSection
+from launcher.spec import DataSection, TrainSection
 
 
 class ResumableSampler(DistributedSampler):
@@ -42,13 +43,7 @@ def build_loader(
     devices_per_process: int = 1,
 ) -> DataLoader:
     """This process's loader: `data.batch_size` samples for each device it drives."""
-    try:
-        size = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise UsageError(
-            "recipe: build_dataset() must return a map-style Dataset with __len__ "
-            "(iterable datasets cannot be sharded by a sampler)"
-        ) from None
+    size = dataset_length(dataset, "train")
     batch_size = data.batch_size * devices_per_process
     if size < batch_size * world_size and data.drop_last:
         raise UsageError(
@@ -76,6 +71,20 @@ def build_loader(
         persistent_workers=False,
         generator=torch.Generator(),
     )
+
+
+def dataset_length(dataset: Dataset, split: str) -> int:
+    """The number of samples of a split; a clear error for a dataset a sampler cannot shard."""
+    try:
+        size = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(
+            f"recipe: build_dataset({split!r}) must return a map-style Dataset with __len__ "
+            "(iterable datasets cannot be sharded by a sampler)"
+        ) from None
+    if size == 0:
+        raise UsageError(f"recipe: build_dataset({split!r}) is empty")
+    return size
 
 
 def start_epoch(loader: DataLoader, epoch: int, skip_samples: int, seed: int, rank: int) -> None:
@@ -106,3 +115,11 @@ def steps_per_epoch(batches: int, accum: int) -> int:
             f"but an epoch has only {batches} per replica; lower it or data.batch_size"
         )
     return steps
+
+
+def total_steps(train: TrainSection, steps_per_epoch: int) -> int:
+    """The run's length: `train.max_steps` or `train.max_epochs`, whichever comes first."""
+    limits = [train.max_steps or math.inf]
+    if train.max_epochs:
+        limits.append(train.max_epochs * steps_per_epoch)
+    return int(min(limits))

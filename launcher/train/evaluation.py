@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from launcher.errors import RunError, UsageError
 from launcher.spec import RunSpec
-from launcher.train.data import batch_size
+from launcher.train.data import batch_size, dataset_length
 from launcher.train.recipe import Recipe
 from launcher.train.strategies import Strategy
 
@@ -29,12 +29,14 @@ class Evaluator:
     def __init__(self, recipe: Recipe, spec: RunSpec, strategy: Strategy) -> None:
         self.recipe, self.strategy = recipe, strategy
         dataset = recipe.build_dataset("val", **spec.recipe.dataset)
-        size = _length(dataset)
+        size = _same_everywhere(dataset_length(dataset, "val"), strategy)
         world, rank = strategy.world_size, strategy.rank
         sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False
         )
         self.batch = spec.data.batch_size * strategy.devices_per_process
+        _check_spmd_hosts(size, world, self.batch, strategy.devices_per_process)
+        self.seed = spec.run.seed * 1_000_003 + rank
         self.loader = DataLoader(
             dataset,
             batch_size=self.batch,
@@ -58,11 +60,16 @@ class Evaluator:
         each batch (the hang watchdog's heartbeat)."""
         strategy = self.strategy
         rng = strategy.rng_state()
+        assert self.loader.generator is not None  # the same worker seeds at every evaluation
+        self.loader.generator.manual_seed(self.seed)
         was_training = model.training
         model.eval()
         try:
             with strategy.phase("eval", step), torch.no_grad():
                 sums, count = self._accumulate(model, alive)
+                # The last batch's work runs on its own: on XLA, replicas whose last batches
+                # differ in size would otherwise run different programs around one all-reduce.
+                strategy.drain()
                 names = sorted(sums)
                 values = torch.stack([*(sums[k] for k in names), count])
                 reduced = strategy.reduce_mean(values).cpu().tolist()
@@ -113,28 +120,39 @@ class _RealSamples:
 
 
 def _take(batch: Any, n: int) -> Any:
+    """The first `n` samples of a collated batch."""
     if isinstance(batch, torch.Tensor):
         return batch[:n]
-    if isinstance(batch, dict):
-        return {k: _take(v, n) for k, v in batch.items()}
     if isinstance(batch, list) and not any(
-        isinstance(v, (torch.Tensor, list, tuple, dict)) for v in batch
+        isinstance(v, torch.Tensor | list | tuple | dict) for v in batch
     ):
         return batch[:n]  # one item per sample (strings, say), as default_collate makes them
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, dict):
+        return {k: _take(v, n) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
         items = [_take(v, n) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
 
 
-def _length(dataset: Dataset) -> int:
-    try:
-        size = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise UsageError(
-            "recipe: build_dataset('val') must return a map-style Dataset with __len__ "
-            "(eval.every_n_steps is set)"
-        ) from None
-    if size == 0:
-        raise UsageError("recipe: build_dataset('val') is empty (eval.every_n_steps is set)")
+def _same_everywhere(size: int, strategy: Strategy) -> int:
+    """Every rank must build the same split: a rank with more batches would wait forever in
+    a collective of its forward (FSDP) for ranks that are done."""
+    sizes = strategy.gather(size)
+    if len(set(sizes)) > 1:
+        raise RunError(
+            f"recipe: build_dataset('val') gives {', '.join(map(str, sizes))} samples on ranks "
+            f"0-{len(sizes) - 1}; every rank must build the same split"
+        )
     return size
+
+
+def _check_spmd_hosts(size: int, world: int, batch: int, devices: int) -> None:
+    # Under SPMD every host feeds its part of one global batch: batches cut to their real
+    # samples would differ in size from host to host.
+    if devices > 1 and world > 1 and size % (world * batch):
+        raise UsageError(
+            f"eval: with {world} hosts of {devices} devices, the val split ({size} samples) "
+            f"must be a multiple of {world * batch} (hosts x data.batch_size x devices)",
+            hint="Trim or pad the val split in the recipe's build_dataset.",
+        )

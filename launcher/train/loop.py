@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,13 @@ from launcher.run_layout import RunLayout
 from launcher.spec import RunSpec
 from launcher.telemetry import Telemetry
 from launcher.train import checkpoint, memory
-from launcher.train.data import batch_size, build_loader, start_epoch, steps_per_epoch
+from launcher.train.data import (
+    batch_size,
+    build_loader,
+    start_epoch,
+    steps_per_epoch,
+    total_steps,
+)
 from launcher.train.evaluation import Evaluator
 from launcher.train.metrics_window import MetricsWindow
 from launcher.train.optim import build_optimizer, build_scheduler
@@ -47,9 +52,8 @@ class Trainer:
             if self.resume_from:
                 where = f"resuming from {self.resume_from}"
             limit = spec.launch.max_restarts + 1
-            self._say(
-                f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}",
-                every_rank=True,
+            print(
+                f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}", flush=True
             )
         rss_before_build = memory.rss_bytes()
         self.model = strategy.build_model(
@@ -66,7 +70,7 @@ class Trainer:
             devices_per_process=strategy.devices_per_process,
         )
         self.steps_per_epoch = steps_per_epoch(len(self.loader), spec.train.grad_accum_steps)
-        self.total_steps = _total_steps(spec, self.steps_per_epoch)
+        self.total_steps = total_steps(spec.train, self.steps_per_epoch)
         self.optimizer = build_optimizer(
             spec.optim, self.model.parameters(), strategy.optimizer_defaults()
         )
@@ -93,15 +97,12 @@ class Trainer:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.telemetry.beat(self.progress.step)
-        self._introduce()
+        resumed = self.progress.step if self.resume_from else None
+        self.report.introduce(self.model, len(self.loader.sampler), resumed)  # type: ignore[arg-type]
         try:
             self._run()
         finally:
             self.telemetry.close()
-
-    def _introduce(self) -> None:
-        resumed = self.progress.step if self.resume_from else None
-        self.report.introduce(self.model, len(self.loader.sampler), resumed)  # type: ignore[arg-type]
 
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
@@ -136,7 +137,10 @@ class Trainer:
         if step % spec.train.log_every == 0 or last:
             self._log()
         every_eval = spec.eval.every_n_steps
-        best = every_eval is not None and (step % every_eval == 0 or last) and self._evaluate()
+        evaluate = every_eval is not None and (step % every_eval == 0 or last)
+        # A stop request (a preemption's grace period) does not wait for an evaluation.
+        evaluate = evaluate and not self.strategy.any_rank(self.layout.stop_request.exists())
+        best = evaluate and self._evaluate()
         every = spec.checkpoint.every_n_steps
         if spec.checkpoint.enabled and (best or (every and step % every == 0)):
             self._save()
@@ -144,7 +148,7 @@ class Trainer:
         # Every rank must agree on the step, or a rank that saw a reason late would wait for
         # the others: the launcher's stop request (a file: Ctrl-C, SIGTERM), a non-finite
         # loss, early stopping. One small all-reduce.
-        early = self.state.early is not None and self.state.early.should_stop
+        early = evaluate and self.state.early is not None and self.state.early.should_stop
         requested, bad, early = self.strategy.any_rank_each(
             [self.layout.stop_request.exists(), self.state.nonfinite.tripped, early]
         )
@@ -167,7 +171,8 @@ class Trainer:
         self.report.evaluation(step, self.progress.epoch, metrics, seconds)
         if self.state.early is not None:
             self.state.early.update(step, metrics)
-        return self.state.best is not None and self.state.best.offer(step, metrics)
+        best = self.state.best is not None and self.state.best.offer(step, metrics)
+        return self.strategy.from_main(best)  # a save is collective: rank 0 decides
 
     def _finish(self) -> None:
         self.checkpointer.close()
@@ -272,7 +277,13 @@ class Trainer:
         raise self.state.nonfinite.failure(self.layout.latest_complete())
 
     def _restore(self, path: Path) -> None:
-        if self.checkpointer.load(path):
+        same_world = self.checkpointer.load(path)
+        if self.state.best is not None:
+            # Best checkpoints are of this run folder (a branch starts its own record).
+            note = self.state.best.retain(self.layout.complete_steps())
+            if note:
+                self._say(note)
+        if same_world:
             return
         # Saved with another world size: per-rank streams cannot continue; reseed them.
         self.strategy.seed(self.spec.run.seed + self.progress.step + self.strategy.rank)
@@ -284,10 +295,3 @@ class Trainer:
 
     def _say(self, text: str, every_rank: bool = False) -> None:
         self.report.say(text, every_rank)
-
-
-def _total_steps(spec: RunSpec, steps_per_epoch: int) -> int:
-    limits = [spec.train.max_steps or math.inf]
-    if spec.train.max_epochs:
-        limits.append(spec.train.max_epochs * steps_per_epoch)
-    return int(min(limits))

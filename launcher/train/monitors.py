@@ -37,6 +37,7 @@ class BestCheckpoints:
         assert section.monitor is not None
         self.monitor, self.mode, self.keep = section.monitor, section.mode, section.keep_best
         self.kept: list[tuple[int, float]] = []
+        self.changed_from: str | None = None  # the record a resume found, when another
 
     def offer(self, step: int, metrics: dict[str, float]) -> bool:
         """Records an evaluation; returns whether it is among the best (save it)."""
@@ -58,10 +59,24 @@ class BestCheckpoints:
         return {"monitor": self.monitor, "mode": self.mode, "kept": [list(e) for e in self.kept]}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.changed_from = None
         # Scores of another metric, or of the other direction, rank nothing here.
         if state and (state["monitor"], state["mode"]) == (self.monitor, self.mode):
             self.kept = [(int(step), float(score)) for step, score in state["kept"]]
             self.kept = self.kept[: self.keep]
+        elif state and state["kept"]:
+            self.changed_from = f"{state['monitor']} ({state['mode']})"
+
+    def retain(self, steps: set[int]) -> str:
+        """Forgets the best evaluations with no checkpoint among `steps`; returns what the
+        user should know about the change of record, if anything."""
+        self.kept = [(step, score) for step, score in self.kept if step in steps]
+        if self.changed_from is None:
+            return ""
+        return (
+            f"checkpoint.monitor is now {self.monitor} ({self.mode}): the best checkpoints by "
+            f"{self.changed_from} are no longer kept apart from checkpoint.keep_last"
+        )
 
 
 class EarlyStopping:

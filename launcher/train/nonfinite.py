@@ -17,6 +17,7 @@ from torch import nn
 
 from launcher.errors import RunError
 from launcher.train.strategies import Strategy
+from launcher.train.strategies.base import local_shard
 
 MAX_SKIPS_IN_A_ROW = 10
 _NONE = -1  # no bad step seen
@@ -35,7 +36,12 @@ class NonFiniteWatch:
 
     def allows_update(self, step: int, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
         """Before the update of step `step`: whether to apply it."""
-        grad_bad = ~torch.isfinite(norm) if norm is not None else torch.zeros_like(loss).bool()
+        # The norm lives where the gradients do: in CPU memory with fsdp.cpu_offload.
+        grad_bad = (
+            (~torch.isfinite(norm)).to(loss.device)
+            if norm is not None
+            else torch.zeros_like(loss, dtype=torch.bool)
+        )
         bad = torch.stack([~torch.isfinite(loss), grad_bad])
         if self.policy == "skip":
             return self._decide(step, [bool(b) for b in bad.tolist()])
@@ -138,9 +144,5 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _all_finite(model: nn.Module) -> bool:
-    flags = [torch.isfinite(_local(p)).all() for p in model.parameters()]
+    flags = [torch.isfinite(local_shard(p)).all() for p in model.parameters()]
     return bool(torch.stack(flags).all().item()) if flags else True
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard

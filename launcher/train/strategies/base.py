@@ -50,7 +50,7 @@ class Strategy(ABC):
 
     def to_device(self, batch: Any) -> Any:
         non_blocking = self.device.type == "cuda"
-        return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
+        return map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
 
     @abstractmethod
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -214,12 +214,18 @@ def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else norm
 
 
-def _map_tensors(batch: Any, fn: Any) -> Any:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local shard); else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def map_tensors(batch: Any, fn: Any) -> Any:
+    """`batch` with `fn` applied to every tensor in it (dicts, lists, tuples, namedtuples)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, dict):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        mapped = [_map_tensors(v, fn) for v in batch]
+        mapped = [map_tensors(v, fn) for v in batch]
         return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
     return batch

@@ -140,6 +140,12 @@ class XLAStrategyBase(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
+        super().drop_update(optimizer)
+        # A step without its update (train.on_nonfinite: skip), and the step after it, are
+        # graphs of their own: expected, not a recompilation to warn about.
+        self.guard.expect_until = self.guard.steps_run + 2
+
     def on_step_end(self, step: int) -> None:
         torch_xla.sync()  # cut the step's graph here and run it
         self.guard.after_step(step)

@@ -213,6 +213,17 @@ def test_an_existing_out_is_never_overwritten(tmp_path: Path) -> None:
     assert out.read_text() == "mine"
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_file_created_while_writing_is_never_replaced(tmp_path: Path, suffix: str) -> None:
+    """`--out` was free when checked, then someone wrote it before the export was done."""
+    out = tmp_path / f"model{suffix}"
+    out.write_text("theirs")
+    with pytest.raises(UsageError, match="already exists"):
+        write_state_dict({"w": torch.ones(3)}, out)
+    assert out.read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no temporary file left
+
+
 def test_an_unknown_suffix_names_out_and_the_accepted_ones(tmp_path: Path) -> None:
     checkpoint = _fake_checkpoint(tmp_path / "ckpt", {"w": torch.ones(3)})
     out = tmp_path / "model.txt"

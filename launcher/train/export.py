@@ -192,11 +192,22 @@ def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
             os.chmod(tmp, 0o666 & ~_umask())
         else:
             torch.save(state, tmp)
-        if out.exists():  # written meanwhile by someone else
-            raise UsageError(f"--out {out}: already exists; it is never overwritten")
-        os.replace(tmp, out)
+        _publish(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Moves `tmp` to `out` unless `out` exists, atomically: a file created there meanwhile
+    is never replaced (a hard link fails where its name is taken)."""
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise UsageError(f"--out {out}: already exists; it is never overwritten") from None
+    except OSError:  # a file system without hard links: the check and the move are two steps
+        if out.exists():
+            raise UsageError(f"--out {out}: already exists; it is never overwritten") from None
+        os.replace(tmp, out)
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -70,14 +70,26 @@ def _steps(run: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
 
 
-@pytest.mark.parametrize("devices", [1, 2, 3])
-def test_val_loss_is_the_exact_mean_over_the_split(tmp_path: Path, devices: int) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "devices", "n", "batch"),
+    [
+        ("ddp", 1, 203, 8),
+        ("ddp", 2, 203, 8),
+        ("ddp", 3, 203, 8),
+        # 7 samples over 3 ranks in batches of 2: ranks 1 and 2 have a second batch of
+        # padding alone, which must run (FSDP gathers parameters in it) and weigh nothing.
+        ("fsdp", 3, 7, 2),
+    ],
+)
+def test_val_loss_is_the_exact_mean_over_the_split(
+    tmp_path: Path, strategy: str, devices: int, n: int, batch: int
+) -> None:
     """203 samples in batches of 8: not a multiple of 2 or 3 processes, nor of the batch. With
     lr 0 the model is the one it was built as, so the mean can be computed here."""
-    n = 203
     spec = write_spec(
         tmp_path / "run.yaml",
-        launch={"devices": devices},
+        launch={"devices": devices, "strategy": strategy},
+        data={"batch_size": batch},
         recipe={"dataset": {"n_samples": n}},
         optim={"name": "SGD", "lr": 0.0},
         train={"max_steps": 1},

@@ -128,3 +128,42 @@ def test_control_bytes_are_escaped_on_the_display_and_kept_in_the_log(tmp_path: 
     log = (only_run_dir(tmp_path / "runs") / "logs" / "rank-0.log").read_bytes()
     assert "reset\x1bc shift\x0e bell\x07 tab\there del\x7f csi\x9b end\n".encode() in log
     assert b"\x1b[31mred\x1b[0m and \x1b[2Jclear\n" in log
+
+
+_WRITERS = """
+import threading, time
+from rich.console import Console
+from launcher.launch.display.sinks import PlainSink
+
+console = Console(highlight=False, soft_wrap=True)
+sink = PlainSink(console)
+chunk = b"".join(b"line %06d " % i + b"x" * 200 + b"\\n" for i in range(300))
+display = threading.Thread(target=lambda: [sink.block(0, chunk) for _ in range(400)])
+display.start()
+while display.is_alive():
+    console.print("SIGINT: every rank finishes its step")
+    time.sleep(0.001)
+display.join()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_launchers_own_lines_never_land_inside_a_block(tmp_path: Path) -> None:
+    """The display writes blocks of a rank's lines from its thread while the launcher prints
+    its own messages (a signal received) from the main thread, into one pipe that its reader
+    drains late (a busy terminal, CI): no line may be cut by another."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITERS], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    time.sleep(0.5)  # the pipe fills up: the writers' writes go out in parts
+    out, _ = proc.communicate(timeout=50)
+    assert proc.returncode == 0
+    lines = out.splitlines()
+    ours = [line for line in lines if line.startswith("SIGINT")]
+    assert ours and all(line == "SIGINT: every rank finishes its step" for line in ours)
+    blocks = [line for line in lines if not line.startswith("SIGINT")]
+    assert len(blocks) == 120_000
+    assert all(line.startswith("[rank 0] line ") and line.endswith("x" * 200) for line in blocks)

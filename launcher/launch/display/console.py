@@ -65,7 +65,7 @@ class RunDisplay:
         self._sink: PlainSink | TerminalSink = (
             TerminalSink(self._console, lambda rank: str(self._layout.log(rank)))
             if self._terminal
-            else PlainSink(self._console.file)
+            else PlainSink(self._console)
         )
         self._title = title
         self._status = ""

@@ -2,7 +2,6 @@
 CI, or rich text above the live table on a terminal, which folds bursts it cannot show."""
 
 from collections.abc import Callable, Collection, Iterable
-from typing import IO
 
 from rich.console import Console
 from rich.text import Text
@@ -21,23 +20,29 @@ FOLD_HEAD, FOLD_TAIL, FOLD_ALERTS = 20, 20, 200
 class PlainSink:
     """Plain prefixed lines, written as one string per batch: no colours, no live table."""
 
-    def __init__(self, file: IO[str]) -> None:
-        self.file = file
+    def __init__(self, console: Console) -> None:
+        self.console = console
 
     def lines(self, groups: Iterable[Group]) -> None:
         text = "".join(f"{prefix(sorted(ranks))} {clean(line)}\n" for ranks, line in groups)
         if text:
-            self.file.write(text)
+            self._write(text)
 
     def block(self, rank: int, chunk: bytes) -> None:
         """`chunk`: complete lines of one rank, each ending in a newline."""
         head = prefix((rank,)) + " "
-        # One write: a line the launcher prints meanwhile can come between blocks, not
-        # inside one.
-        self.file.write(head + clean_chunk(chunk)[:-1].replace("\n", "\n" + head) + "\n")
+        self._write(head + clean_chunk(chunk)[:-1].replace("\n", "\n" + head) + "\n")
+
+    def _write(self, text: str) -> None:
+        # Under the console's own lock, the one rich writes under: a line the launcher
+        # prints meanwhile (from another thread) comes between blocks, never inside one.
+        # A text file's write is not atomic across threads: it fills its buffer in parts.
+        with self.console._lock:
+            self.console.file.write(text)
 
     def flush(self) -> None:
-        self.file.flush()
+        with self.console._lock:
+            self.console.file.flush()
 
 
 class TerminalSink:

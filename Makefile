@@ -28,7 +28,11 @@ lint: env
 	$(VENV)/bin/python -m ruff check launcher recipes tests bench
 	$(VENV)/bin/python -m ruff format --check launcher recipes tests bench
 
-test: lint test-dev test-xla
+# The two suites run side by side: each spends much of its time waiting on processes it
+# started (startup, rendezvous, signals), and together they keep 2 cores busy; each one's
+# output is shown whole when it ends.
+test: lint
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-dev test-xla
 
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.errors import UsageError
+
 _STEP = re.compile(r"^step-(\d{8,})$")
 
 
@@ -215,6 +217,23 @@ def step_of(checkpoint: Path) -> int | None:
 def latest_complete(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run folder."""
     return RunLayout(run_dir).latest_complete()
+
+
+def checkpoint_in(path: Path, what: str) -> Path:
+    """The checkpoint a folder names: itself (a complete checkpoint folder), or a run
+    folder's newest complete one. `what` names the flag or command, for the errors."""
+    files = CheckpointFiles(path)
+    if files.is_complete:
+        return path
+    if files.looks_interrupted:
+        raise UsageError(f"{what} {path}: this checkpoint is incomplete (its save was interrupted)")
+    newest = latest_complete(path)
+    if newest is None:
+        raise UsageError(
+            f"{what} {path}: neither a checkpoint nor a run folder with a complete checkpoint",
+            hint="A checkpoint folder holds a COMPLETE file; a run folder holds checkpoints/.",
+        )
+    return newest
 
 
 def run_of(checkpoint: Path) -> Path | None:

@@ -160,6 +160,15 @@ def write_spec(path: Path, **sections: dict) -> Path:
     return path
 
 
+def tiny_gpt(max_bytes: int) -> dict:
+    """The GPT recipe at its smallest, with dropout (so the random streams matter)."""
+    return {
+        "source": str(REPO / "recipes" / "gpt.py"),
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1},
+        "dataset": {"block_size": 16, "max_bytes": max_bytes},
+    }
+
+
 def only_run_dir(runs: Path) -> Path:
     found = [p for p in runs.glob("*/*") if p.is_dir()]
     assert len(found) == 1, found

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from recipes import mlp
-from tests.conftest import REPO, only_run_dir, run_train, write_spec
+from tests.conftest import only_run_dir, run_train, tiny_gpt, write_spec
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher_only]
 
@@ -180,11 +180,7 @@ def _gpt(folder: Path, **sections: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     return write_spec(
         folder / "run.yaml",
-        recipe={
-            "source": str(REPO / "recipes" / "gpt.py"),
-            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1},
-            "dataset": {"block_size": 16, "max_bytes": 6000},
-        },
+        recipe=tiny_gpt(max_bytes=6000),
         data={"batch_size": 4, "shuffle": True},
         optim={"name": "AdamW", "lr": 3e-3},
         train={"max_steps": 12, "log_every": 1},

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import REPO, TRAIN, only_run_dir, run_train, write_spec
+from tests.conftest import REPO, TRAIN, only_run_dir, run_train, tiny_gpt, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 20  # 14 steps per epoch: the run crosses an epoch boundary
@@ -30,11 +30,7 @@ def _gpt_spec(folder: Path, **checkpoint) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     return write_spec(
         folder / "run.yaml",
-        recipe={
-            "source": str(REPO / "recipes" / "gpt.py"),
-            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1},
-            "dataset": {"block_size": 16, "max_bytes": 4000},
-        },
+        recipe=tiny_gpt(max_bytes=4000),
         data={"batch_size": 4, "shuffle": True},
         optim={"name": "AdamW", "lr": 3e-3, "schedule": "cosine", "warmup_steps": 3},
         train={"max_steps": STEPS, "grad_accum_steps": 2, "log_every": 2},

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from launcher.errors import UsageError
-from launcher.run_layout import CheckpointFiles, RunLayout, latest_complete, run_of
+from launcher.run_layout import RunLayout, checkpoint_in, latest_complete, run_of
 
 
 def new_run_dir(output_dir: Path, name: str) -> Path:
@@ -51,20 +51,7 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     path = Path(arg)
     if not path.exists():
         raise UsageError(f"--resume {arg}: no such folder")
-    files = CheckpointFiles(path)
-    if files.is_complete:
-        return path
-    if files.looks_interrupted:
-        raise UsageError(
-            f"--resume {arg}: this checkpoint is incomplete (its save was interrupted)"
-        )
-    latest = latest_complete(path)
-    if latest is None:
-        raise UsageError(
-            f"--resume {arg}: neither a checkpoint nor a run folder with a complete checkpoint",
-            hint="A checkpoint folder holds a COMPLETE file; a run folder holds checkpoints/.",
-        )
-    return latest
+    return checkpoint_in(path, "--resume")
 
 
 def own_run(output_dir: Path, name: str, run_dir: Path | None, resume_from: Path | None) -> Path:

@@ -19,7 +19,7 @@ import torch
 
 from launcher.checkpoint_format import read_metadata, weights_only_planner
 from launcher.errors import UsageError
-from launcher.run_layout import Best, CheckpointFiles, RunLayout, run_of
+from launcher.run_layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
 
 COMMAND = "train export"
 # The writer each accepted suffix gets.
@@ -106,17 +106,7 @@ def resolve_source(source: Path, *, best: bool = False) -> tuple[Path, Best | No
                 "export without --best for the newest one.",
             )
         return chosen.path, chosen
-    if files.is_complete:
-        return source, None
-    if files.looks_interrupted:
-        raise UsageError(f"{COMMAND} {source}: this checkpoint is incomplete (its save failed)")
-    newest = RunLayout(source).latest_complete()
-    if newest is None:
-        raise UsageError(
-            f"{COMMAND} {source}: neither a checkpoint nor a run folder with a complete checkpoint",
-            hint="A checkpoint folder holds a COMPLETE file; a run folder holds checkpoints/.",
-        )
-    return newest, None
+    return checkpoint_in(source, COMMAND), None
 
 
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[str]]:

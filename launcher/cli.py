@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from launcher.cli_spec import load_cli_spec
 from launcher.errors import LauncherError
-from launcher.spec import LaunchSection
+from launcher.spec import LaunchSection, RunSpec
 
 EXAMPLES = """
 Examples:
@@ -165,7 +165,7 @@ def run_command(
             max_restarts=max_restarts,
             stall_timeout=stall_timeout,
         )
-        _check_recipe(spec.recipe.source)  # a recipe that cannot load fails here, not per rank
+        _check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
         plan = make_plan(
             spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug, nodes=nodes
         )
@@ -180,12 +180,14 @@ def validate_command(
     overrides: Overrides = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
-    """Check a run spec and its recipe without running anything."""
+    """Check a spec and its recipe: build its datasets, a batch and the model (on the meta
+    device), and report their sizes. Starts no processes."""
 
     def go() -> int:
-        spec = load_cli_spec(config, overrides)
-        _check_recipe(spec.recipe.source)
-        err.print(f"{config}: ok")
+        from launcher.train.recipe_check import dry_build
+
+        summary = dry_build(load_cli_spec(config, overrides))
+        err.print(Text(f"{config}: ok · {summary}"))
         return 0
 
     raise typer.Exit(_guarded(go, debug))
@@ -212,7 +214,7 @@ def slurm_command(
         from launcher.launch.slurm import sbatch_script
 
         spec = load_cli_spec(config, overrides)
-        _check_recipe(spec.recipe.source)
+        _check_recipe(spec)
         script = sbatch_script(
             str(config),
             nodes,
@@ -266,12 +268,12 @@ def export_command(
     raise typer.Exit(_guarded(go, debug))
 
 
-def _check_recipe(source: str) -> None:
+def _check_recipe(spec: RunSpec) -> None:
     """Imports the recipe as the workers will (from the working directory) and checks that it
-    defines what the launcher calls."""
-    from launcher.train.recipe import load_recipe
+    defines what the launcher calls, with arguments its functions take; builds nothing."""
+    from launcher.train.recipe_check import load_checked
 
-    load_recipe(source)
+    load_checked(spec)
 
 
 def _guarded(fn, debug: bool) -> int:  # type: ignore[no-untyped-def]

@@ -10,6 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+# The fsdp section's keys need long descriptions; it lives apart, re-exported here.
+from launcher.spec_fsdp import FSDPSection
+
 # Sections that need torch to check themselves live apart; the spec re-exports them.
 from launcher.spec_optim import OptimSection
 
@@ -98,7 +101,11 @@ class RecipeSection(Section):
 class DataSection(Section):
     batch_size: PositiveInt = Field(32, description="Samples per device per micro-step.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
-    shuffle: bool = Field(True, description="Reshuffle every epoch (seeded by `run.seed`).")
+    shuffle: bool = Field(
+        True,
+        description="Reshuffle every epoch (seeded by `run.seed`); a stream (IterableDataset) "
+        "shuffles itself.",
+    )
     drop_last: bool = Field(
         True, description="Drop the last incomplete batch, so every step has the same shape."
     )
@@ -177,7 +184,9 @@ class EvalSection(Section):
         "training; `null`: never.",
     )
     max_batches: PositiveInt | None = Field(
-        None, description="Batches per replica in each evaluation; `null`: the whole split."
+        None,
+        description="Batches per replica in each evaluation; `null`: the whole split (a "
+        "streamed split, an IterableDataset, needs a number).",
     )
 
 
@@ -195,35 +204,6 @@ class EarlyStopSection(Section):
     )
     min_delta: float = Field(
         0.0, ge=0, description="The least change of `monitor` that counts as an improvement."
-    )
-
-
-class FSDPSection(Section):
-    wrap: list[str] | None = Field(
-        None,
-        description="Module class names that become their own shard unit, e.g. `[Block]`. "
-        "Default: the children of every `nn.ModuleList` (the repeated blocks).",
-    )
-    reshard_after_forward: bool = Field(
-        True,
-        description="Free gathered parameters after forward (ZeRO-3); `false` keeps them until "
-        "backward (ZeRO-2 style: faster, more memory).",
-    )
-    param_dtype: Literal["fp32", "bf16"] | None = Field(
-        None,
-        description="Mixed precision: dtype of gathered parameters in compute (unset: as built).",
-    )
-    reduce_dtype: Literal["fp32", "bf16"] | None = Field(
-        None, description="Mixed precision: dtype of gradient reduce-scatter (unset: as computed)."
-    )
-    cpu_offload: bool = Field(
-        False,
-        description="Keep sharded parameters, gradients and optimizer state in CPU memory "
-        "between uses (GPU runs only).",
-    )
-    activation_checkpointing: bool = Field(
-        False,
-        description="Recompute each shard unit's activations in backward instead of keeping them.",
     )
 
 

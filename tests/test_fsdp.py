@@ -99,7 +99,8 @@ def test_wrap_classes_that_match_nothing_list_the_real_ones(tmp_path: Path) -> N
 
 def test_parameters_the_init_leaves_unset_are_an_error_not_garbage(tmp_path: Path) -> None:
     """nn.MultiheadAttention initialises in a private _reset_parameters, and a bare
-    nn.Parameter in __init__ is lost on the meta device: fsdp must say so."""
+    nn.Parameter in __init__ is lost on the meta device: fsdp.init=meta must say so (auto
+    builds such a model on the CPU instead)."""
     (tmp_path / "mha.py").write_text(
         "import torch\n"
         "from torch import nn\n"
@@ -126,7 +127,7 @@ def test_parameters_the_init_leaves_unset_are_an_error_not_garbage(tmp_path: Pat
         recipe={"source": "mha.py", "dataset": {}},
         data={"batch_size": 4},
     )
-    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    result = run_train(["--config", str(spec), "fsdp.init=meta"], cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "left pos, attn.in_proj_weight, attn.in_proj_bias unset" in result.stdout
     assert "init_weights" in result.stdout

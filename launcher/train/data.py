@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from launcher.errors import UsageError
 from launcher.spec import DataSection, TrainSection
@@ -31,6 +31,66 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples - self._skip
+
+
+class EpochFeed:
+    """A map-style dataset's batches: epochs of known length, positioned by the run's
+    progress alone (the sampler's order is a function of the seed and the epoch)."""
+
+    def __init__(self, loader: DataLoader, seed: int, rank: int, world: int) -> None:
+        self.loader, self.seed, self.rank, self.world = loader, seed, rank, world
+        self.samples: int | None = len(loader.sampler)  # type: ignore[arg-type]
+        self.batches_per_epoch: int | None = len(loader)
+
+    def start(self, epoch: int, samples_taken: int) -> DataLoader:
+        """The loader, at `samples_taken` (global) into `epoch`."""
+        start_epoch(self.loader, epoch, samples_taken // self.world, self.seed, self.rank)
+        return self.loader
+
+    def batches(self, loaded: Iterable[Any]) -> Iterator[Any]:
+        return iter(loaded)
+
+    def steps_left(self, accum: int) -> float:
+        return len(self.loader) // accum
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: Any, samples_taken: int) -> str | None:
+        return None
+
+
+def build_feed(
+    dataset: Dataset,
+    data: DataSection,
+    train: TrainSection,
+    rank: int,
+    world_size: int,
+    seed: int,
+    pin_memory: bool,
+    devices_per_process: int = 1,
+) -> Any:
+    """This process's batches of the train split: an `EpochFeed`, or a `StreamFeed` for a
+    stream (`launcher.train.stream`). Both give the loop the same methods."""
+    if not is_stream(dataset):
+        loader = build_loader(
+            dataset, data, rank, world_size, seed, pin_memory, devices_per_process
+        )
+        return EpochFeed(loader, seed, rank, world_size)
+    from launcher.train.stream import StreamFeed, StreamShare, TaggedCollate
+
+    check_stream_limits(train)
+    batch = data.batch_size * devices_per_process
+    share = StreamShare(dataset, rank, world_size, repeat=True, batch=batch)  # type: ignore[arg-type]
+    loader = DataLoader(
+        share,
+        batch_size=batch,
+        num_workers=data.num_workers,
+        collate_fn=TaggedCollate(),
+        pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed * 1_000_003 + rank),
+    )
+    return StreamFeed(loader, share, max(1, data.num_workers), world_size)
 
 
 def build_loader(
@@ -73,14 +133,30 @@ def build_loader(
     )
 
 
+def is_stream(dataset: Any) -> bool:
+    """Whether a split is streamed (an IterableDataset): no length, no sampler, no epochs."""
+    return isinstance(dataset, IterableDataset)
+
+
+def check_stream_limits(train: TrainSection) -> None:
+    """A stream has no epochs to count: its run is `train.max_steps` long."""
+    if train.max_steps is None:
+        raise UsageError(
+            "train.max_steps: the train split is a stream (an IterableDataset), which has no "
+            "epochs; set train.max_steps (train.max_epochs cannot be counted)"
+        )
+
+
 def dataset_length(dataset: Dataset, split: str) -> int:
     """The number of samples of a split; a clear error for a dataset a sampler cannot shard."""
     try:
         size = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         raise UsageError(
-            f"recipe: build_dataset({split!r}) must return a map-style Dataset with __len__ "
-            "(iterable datasets cannot be sharded by a sampler)"
+            f"recipe: build_dataset({split!r}) returned a {type(dataset).__name__}, which has "
+            "no __len__",
+            hint="Return a map-style Dataset (__getitem__ and __len__), or a "
+            "torch.utils.data.IterableDataset to stream it.",
         ) from None
     if size == 0:
         raise UsageError(f"recipe: build_dataset({split!r}) is empty")
@@ -117,9 +193,10 @@ def steps_per_epoch(batches: int, accum: int) -> int:
     return steps
 
 
-def total_steps(train: TrainSection, steps_per_epoch: int) -> int:
-    """The run's length: `train.max_steps` or `train.max_epochs`, whichever comes first."""
+def total_steps(train: TrainSection, steps_per_epoch: int | None) -> int:
+    """The run's length: `train.max_steps` or `train.max_epochs`, whichever comes first (a
+    stream, with no epochs, has `steps_per_epoch` None)."""
     limits = [train.max_steps or math.inf]
-    if train.max_epochs:
+    if train.max_epochs and steps_per_epoch:
         limits.append(train.max_epochs * steps_per_epoch)
     return int(min(limits))

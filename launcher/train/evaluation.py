@@ -8,11 +8,17 @@ the end of each replica's share, so a batch holding some is cut to its real samp
 batch of padding alone runs for the collectives but weighs nothing. Each batch's metrics are
 weighted by its number of real samples, and sums and counts are reduced across replicas, so
 1, 2 or 3 processes give the same mean.
+
+A streamed split (an IterableDataset) is read from its start at every evaluation, each rank
+its own share (`launcher.train.stream`), for exactly `eval.max_batches` batches on every rank;
+the mean is over the samples read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,32 +26,38 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from launcher.errors import RunError, UsageError
 from launcher.spec import RunSpec
-from launcher.train.data import batch_size, dataset_length
+from launcher.train.data import batch_size, dataset_length, is_stream
 from launcher.train.recipe import Recipe
 from launcher.train.strategies import Strategy
+from launcher.train.stream import StreamShare
 
 
 class Evaluator:
     def __init__(self, recipe: Recipe, spec: RunSpec, strategy: Strategy) -> None:
         self.recipe, self.strategy = recipe, strategy
         dataset = recipe.build_dataset("val", **spec.recipe.dataset)
-        size = _same_everywhere(dataset_length(dataset, "val"), strategy)
         world, rank = strategy.world_size, strategy.rank
-        sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False
-        )
         self.batch = spec.data.batch_size * strategy.devices_per_process
-        _check_spmd_hosts(size, world, self.batch, strategy.devices_per_process)
         self.seed = spec.run.seed * 1_000_003 + rank
-        self.loader = DataLoader(
-            dataset,
+        loader = functools.partial(
+            DataLoader,
             batch_size=self.batch,
-            sampler=sampler,
             num_workers=spec.data.num_workers,
             pin_memory=strategy.device.type == "cuda",
             generator=torch.Generator(),  # its seeds never come from the training streams
         )
         limit = spec.eval.max_batches
+        self.weights: list[int] | None = None  # a stream's batches weigh their own size
+        if is_stream(dataset):
+            self.stream_batches = stream_eval_batches(limit)
+            self.loader = loader(StreamShare(dataset, rank, world, repeat=False))
+            return
+        size = _same_everywhere(dataset_length(dataset, "val"), strategy)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False
+        )
+        _check_spmd_hosts(size, world, self.batch, strategy.devices_per_process)
+        self.loader = loader(dataset, sampler=sampler)
         batches = len(self.loader) if limit is None else min(limit, len(self.loader))
         # The sampler deals the split round-robin: replica r's real samples are r, r+W, ...
         real, share = len(range(rank, size, world)), sampler.num_samples
@@ -85,8 +97,18 @@ class Evaluator:
         device = self.strategy.device
         sums: dict[str, torch.Tensor] = {}
         count = torch.zeros((), device=device)
-        batches = self.strategy.loader(_RealSamples(self.loader, self.weights))
-        for weight, batch in zip(self.weights, batches, strict=False):
+        if self.weights is None:
+            limit = self.stream_batches
+            weights: Iterable[int | None] = itertools.repeat(None, limit)
+            batches = self.strategy.loader(itertools.islice(self.loader, limit))
+        else:
+            weights = self.weights
+            batches = self.strategy.loader(_RealSamples(self.loader, self.weights))
+        taken = 0
+        for weight, batch in zip(weights, batches, strict=False):
+            taken += 1
+            if weight is None:
+                weight = batch_size(batch)
             with self.strategy.autocast():
                 metrics = self.recipe.evaluate(model, batch)
             if sums and sorted(metrics) != sorted(sums):
@@ -101,6 +123,13 @@ class Evaluator:
                 sums[name] = sums[name] + value if name in sums else value
             count = count + w
             alive()
+        if self.weights is None and taken < self.stream_batches:
+            # Every rank must run as many batches (FSDP's forward gathers across ranks).
+            raise RunError(
+                f"eval.max_batches: the val stream gave rank {self.strategy.rank} only {taken} "
+                f"of {self.stream_batches} batches",
+                hint="Lower eval.max_batches to what every rank's share of the stream holds.",
+            )
         return sums, count
 
 
@@ -145,6 +174,17 @@ def _same_everywhere(size: int, strategy: Strategy) -> int:
             f"0-{len(sizes) - 1}; every rank must build the same split"
         )
     return size
+
+
+def stream_eval_batches(limit: int | None) -> int:
+    """The batches each rank evaluates of a streamed val split: `eval.max_batches`, which a
+    stream needs, since it may never end."""
+    if limit is None:
+        raise UsageError(
+            "eval.max_batches: the val split is a stream (an IterableDataset); set "
+            "eval.max_batches, the batches each process evaluates"
+        )
+    return limit
 
 
 def _check_spmd_hosts(size: int, world: int, batch: int, devices: int) -> None:

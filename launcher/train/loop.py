@@ -12,13 +12,7 @@ from launcher.run_layout import RunLayout
 from launcher.spec import RunSpec
 from launcher.telemetry import Telemetry
 from launcher.train import checkpoint, memory
-from launcher.train.data import (
-    batch_size,
-    build_loader,
-    start_epoch,
-    steps_per_epoch,
-    total_steps,
-)
+from launcher.train.data import batch_size, build_feed, steps_per_epoch, total_steps
 from launcher.train.evaluation import Evaluator
 from launcher.train.metrics_window import MetricsWindow
 from launcher.train.optim import build_optimizer, build_scheduler
@@ -60,22 +54,25 @@ class Trainer:
             lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
         )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
-        self.loader = build_loader(
+        self.feed = build_feed(
             recipe.build_dataset("train", **spec.recipe.dataset),
             spec.data,
+            spec.train,
             strategy.rank,
             strategy.world_size,
             spec.run.seed,
             pin_memory=strategy.device.type == "cuda",
             devices_per_process=strategy.devices_per_process,
         )
-        self.steps_per_epoch = steps_per_epoch(len(self.loader), spec.train.grad_accum_steps)
+        per_epoch = self.feed.batches_per_epoch  # None: a stream, which has no epochs
+        accum = spec.train.grad_accum_steps
+        self.steps_per_epoch = per_epoch and steps_per_epoch(per_epoch, accum)
         self.total_steps = total_steps(spec.train, self.steps_per_epoch)
         self.optimizer = build_optimizer(
             spec.optim, self.model.parameters(), strategy.optimizer_defaults()
         )
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
-        self.state = TrainState(strategy, self.scheduler, recipe, spec)
+        self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed)
         self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
         self.report = Reporter(
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch
@@ -98,7 +95,7 @@ class Trainer:
             self._restore(self.resume_from)
         self.telemetry.beat(self.progress.step)
         resumed = self.progress.step if self.resume_from else None
-        self.report.introduce(self.model, len(self.loader.sampler), resumed)  # type: ignore[arg-type]
+        self.report.introduce(self.model, self.feed.samples, resumed)
         try:
             self._run()
         finally:
@@ -109,10 +106,9 @@ class Trainer:
         self.saved_at = progress.step
         stopped = False
         while progress.step < self.total_steps and not stopped:
-            per_replica = progress.samples_in_epoch // self.strategy.world_size
-            start_epoch(self.loader, progress.epoch, per_replica, spec.run.seed, self.strategy.rank)
-            batches = iter(self.strategy.loader(self.loader))
-            left = len(self.loader) // spec.train.grad_accum_steps
+            loaded = self.feed.start(progress.epoch, progress.samples_in_epoch)
+            batches = self.feed.batches(self.strategy.loader(loaded))
+            left = self.feed.steps_left(spec.train.grad_accum_steps)
             for _ in range(min(left, self.total_steps - progress.step)):
                 started = time.perf_counter()
                 self._step(batches)
@@ -278,6 +274,8 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         same_world = self.checkpointer.load(path)
+        for note in self.state.notes:
+            self._say(note)
         if self.state.best is not None:
             # Best checkpoints are of this run folder (a branch starts its own record).
             note = self.state.best.retain(self.layout.complete_steps())

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from launcher.errors import UsageError
+from launcher.train.hugging_face import init_hf_weights, is_hf_model
 from launcher.train.rng import seed_everything
 
 REQUIRED = ("build_model", "build_dataset", "loss")
@@ -48,23 +49,35 @@ class Recipe:
     def build_dataset(self, split: str, **kwargs: Any) -> torch.utils.data.Dataset:
         return call_user("recipe.dataset", self.module.build_dataset, split, **kwargs)
 
+    def init_entry(self, model: torch.nn.Module) -> tuple[str, Callable[[], None]] | None:
+        """The explicit initialisation of `model`, named for messages: the recipe's
+        `init_weights(model)`, else a Hugging Face model's own init, else the model's
+        `init_weights()`. None where only the constructors define the weights."""
+        hook = getattr(self.module, "init_weights", None)
+        if callable(hook):
+            return "the recipe's init_weights(model)", lambda: hook(model)
+        name = type(model).__name__
+        if is_hf_model(model):
+            return f"{name}'s Hugging Face init", lambda: init_hf_weights(model)
+        own = getattr(model, "init_weights", None)
+        if callable(own):
+            return f"{name}.init_weights()", own
+        return None
+
     def defines_init(self, model: torch.nn.Module) -> bool:
-        """Whether the recipe or the model has an explicit `init_weights`."""
-        return callable(getattr(self.module, "init_weights", None)) or callable(
-            getattr(model, "init_weights", None)
-        )
+        """Whether the recipe or the model has an explicit initialisation (`init_entry`)."""
+        return self.init_entry(model) is not None
 
     def init_weights(self, model: torch.nn.Module) -> None:
-        """The recipe's `init_weights(model)`, else the model's own `init_weights()`, else every
-        submodule's `reset_parameters()` (what their constructors ran)."""
-        if callable(getattr(self.module, "init_weights", None)):
-            self.module.init_weights(model)
-        elif callable(getattr(model, "init_weights", None)):
-            model.init_weights()  # type: ignore[operator]
-        else:
-            for module in model.modules():
-                if callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()  # type: ignore[operator]
+        """The explicit initialisation (`init_entry`), else every submodule's
+        `reset_parameters()` (what most constructors run, but not all: see `WeightInit`)."""
+        entry = self.init_entry(model)
+        if entry is not None:
+            entry[1]()
+            return
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()  # type: ignore[operator]
 
     def state_dict(self) -> Any:
         """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
@@ -97,16 +110,36 @@ class Recipe:
 class WeightInit:
     """How weights get their first values, the same whichever strategy builds the model.
 
-    The generators are reset to `seed` first, so a model built on CPU and one materialised
-    shard by shard from the meta device draw the same numbers. A model built for real keeps
-    its constructor's values unless the recipe defines `init_weights` explicitly.
+    A plain build (`build`: ddp, the XLA strategies, `fsdp.init: cpu`) runs the constructors
+    after seeding the generators with `seed`; where the recipe or the model has an explicit
+    initialisation (`Recipe.init_entry`), it then runs that too, again from `seed`. fsdp's
+    meta-device build runs the same initialisation from the same seed on each rank's shards
+    (`sharded_init`), so with an explicit one the two give bitwise the same weights. Without
+    one, only each module's `reset_parameters()` is left to run on the meta device, and that
+    is what a constructor does only where it initialises nothing itself (torchvision's ResNet
+    re-draws every conv with kaiming_normal_ in its constructor): fsdp then builds on CPU
+    (`fsdp.init: auto`).
     """
 
     recipe: Recipe
     seed: int
 
+    def exact(self, model: torch.nn.Module) -> str | None:
+        """The explicit initialisation that defines `model`'s weights wherever it is built,
+        by name; None where only its constructors do."""
+        entry = self.recipe.init_entry(model)
+        return entry[0] if entry is not None else None
+
     def needed_after_build(self, model: torch.nn.Module) -> bool:
         return self.recipe.defines_init(model)
+
+    def build(self, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """A plain build: the constructors from `seed`, then the explicit initialisation."""
+        seed_everything(self.seed)
+        model = factory()
+        if self.needed_after_build(model):
+            self(model)
+        return model
 
     def __call__(self, model: torch.nn.Module) -> None:
         seed_everything(self.seed)
@@ -131,15 +164,8 @@ def load_recipe(source: str) -> Recipe:
             details=[code.strip(), caret] if code.strip() else [],
         ) from None
     except Exception as exc:
-        # Only the user's frames: the launcher's and importlib's say nothing about their bug.
-        frames = [
-            f
-            for f in traceback.extract_tb(exc.__traceback__)
-            if not f.filename.startswith(("<frozen", str(Path(__file__).parent)))
-        ]
-        lines = traceback.format_list(frames) + traceback.format_exception_only(exc)
         raise UsageError(
-            f"recipe.source: importing {source} failed:", details=["".join(lines).rstrip()]
+            f"recipe.source: importing {source} failed:", details=[users_traceback(exc)]
         ) from None
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
@@ -149,6 +175,18 @@ def load_recipe(source: str) -> Recipe:
             "and loss(model, batch); see the README's 'Write your own recipe'.",
         )
     return Recipe(source, module)
+
+
+# Frames of these say nothing about the user's bug: the launcher's, torch's, importlib's.
+_NOT_USERS = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent), "<frozen")
+
+
+def users_traceback(exc: BaseException) -> str:
+    """The traceback of an exception from a recipe's code, its own frames only."""
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_NOT_USERS)
+    ]
+    return "".join(traceback.format_list(frames) + traceback.format_exception_only(exc)).rstrip()
 
 
 def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ class Reporter:
         strategy: Strategy,
         telemetry: Telemetry,
         total_steps: int,
-        steps_per_epoch: int,
+        steps_per_epoch: int | None,  # None: a stream
     ) -> None:
         self.spec, self.strategy, self.telemetry = spec, strategy, telemetry
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
@@ -33,21 +33,28 @@ class Reporter:
         monitor = spec.checkpoint.monitor or spec.early_stop.monitor
         self.shown_val = monitor or "val/loss"
 
-    def introduce(self, model: torch.nn.Module, samples: int, resumed_at: int | None) -> None:
+    def introduce(
+        self, model: torch.nn.Module, samples: int | None, resumed_at: int | None
+    ) -> None:
+        """`samples`: this rank's share of an epoch; None for a stream."""
         strategy = self.strategy
         n_params = sum(p.numel() for p in model.parameters())
+        per_epoch = (
+            "a stream" if self.steps_per_epoch is None else f"{self.steps_per_epoch} per epoch"
+        )
+        share = "its share of the stream" if samples is None else f"{samples:,} samples per epoch"
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         self.say(
             f"{n_params:,} parameters | {strategy.name} on {strategy.replicas} x "
-            f"{strategy.device.type} | {self.total_steps} steps, {self.steps_per_epoch} per "
-            "epoch" + (f" | resumed at step {resumed_at}" if resumed_at is not None else ""),
+            f"{strategy.device.type} | {self.total_steps} steps, {per_epoch}"
+            + (f" | resumed at step {resumed_at}" if resumed_at is not None else ""),
             every_rank=True,
         )
         devices = strategy.devices_per_process
         self.say(
             f"process {strategy.rank}/{strategy.world_size}: pid {os.getpid()}, "
             f"{strategy.device}{f' and {devices - 1} more devices' if devices > 1 else ''}, "
-            f"{samples:,} samples per epoch",
+            f"{share}",
             every_rank=True,
         )
 

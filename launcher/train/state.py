@@ -44,8 +44,12 @@ class TrainState:
     RNG streams, metrics window and recipe state (`rank_state_dict`), which continue exactly
     only with the world size they were saved at."""
 
-    def __init__(self, strategy: Strategy, scheduler: Any, recipe: Recipe, spec: RunSpec) -> None:
+    def __init__(
+        self, strategy: Strategy, scheduler: Any, recipe: Recipe, spec: RunSpec, feed: Any
+    ) -> None:
         self.strategy, self.scheduler, self.recipe = strategy, scheduler, recipe
+        self.feed = feed  # where the train data stands (a stream's positions; launcher.train.data)
+        self.notes: list[str] = []  # for the user, after a load
         self.spec = spec  # saved for the record (what made this checkpoint); never loaded
         self.progress = Progress()
         self.window = MetricsWindow()
@@ -70,6 +74,7 @@ class TrainState:
             "rng": self.strategy.rng_state(),
             "window": self.window.state_dict(),
             "recipe": self.recipe.state_dict(),
+            "data": self.feed.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
@@ -81,6 +86,9 @@ class TrainState:
             if part is not None:
                 part.load_state_dict(state.get(key))
         self.nonfinite.load_state_dict(state.get("nonfinite"))
+        taken = self.progress.samples_in_epoch
+        note = self.feed.load_state_dict(own.get("data") if own else None, taken)
+        self.notes = [note] if note else []
         if own is None:
             return
         self.strategy.set_rng_state(own["rng"])

@@ -152,11 +152,24 @@ def main(argv: list[str] | None = None) -> None:
     stop_on_outside_sigterm(plan.run_dir, os.getppid())
     dump_stacks_on_request()
     code = _xla_spawn(plan) if plan.xla_spawn else _train(plan)
+    _end_children()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: C++ destructors of a process group whose peers are gone can
     # abort (SIGABRT) and replace a meaningful exit code with a crash.
     os._exit(code)
+
+
+def _end_children() -> None:
+    """DataLoader workers of a loader still open at the end (a stream's, or one a device
+    loader's thread holds) would outlive this process as orphans: end and reap them."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=10)
 
 
 def _own_rank(plan: WorkerPlan) -> int:

@@ -35,10 +35,7 @@ class Strategy(ABC):
     def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
         """Build the recipe's model (`factory`), initialise it (`init`), place it and make it
         distributed."""
-        model = factory()
-        if init.needed_after_build(model):
-            init(model)
-        return self.wrap_model(model)
+        return self.wrap_model(init.build(factory))
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:

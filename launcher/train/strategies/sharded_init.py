@@ -4,8 +4,10 @@ After `to_empty`, each rank holds only its shard of every parameter. An init fun
 in-place random fills (`normal_`, `uniform_`, ...) on parameters in some order, drawing from
 the global generator. Here every such fill on a sharded tensor generates the *full* tensor
 from the same generator, as the unsharded model would have, and keeps only this rank's slice.
-So every rank consumes the same random stream, the weights equal a plain `build_model()` under
-the same seed bitwise, and the peak extra memory is one full parameter, never the model.
+So every rank consumes the same random stream, the weights are bitwise those of the unsharded
+model running the same init from the same seed, and the peak extra memory is one full
+parameter, never the model. (Whether that init is what the model's constructors do is
+`WeightInit`'s question, not this module's.)
 Deterministic element-wise ops (`mul_`, `zero_`, `clamp_`, ...) act on shards unchanged.
 """
 
@@ -35,6 +37,32 @@ _WHOLE_TENSOR_FILLS = {
     torch.Tensor.cauchy_,
     torch.Tensor.random_,
 }
+_FILL_NAMES = {fill.__name__ for fill in _WHOLE_TENSOR_FILLS}
+
+
+def _is_whole_tensor_fill(func: Any) -> bool:
+    # transformers' initialisation patches its own copies of torch.nn.init's functions into
+    # torch.nn.init (they skip tensors marked `_is_hf_initialized`), and torch hands the mode
+    # whatever that module holds at the time.
+    return func in _WHOLE_TENSOR_FILLS or (
+        getattr(func, "__module__", None) == "transformers.initialization"
+        and getattr(func, "__name__", None) in _FILL_NAMES
+    )
+
+
+class UnsetByInit(UsageError):
+    """The initialisation left parameters or buffers of a materialised model unset."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        super().__init__(
+            f"fsdp.init: meta: the model is built on the meta device, and its initialisation "
+            f"left {shown} unset",
+            hint="Give the recipe an init_weights(model) (or the model an init_weights()) that "
+            "fills every parameter and buffer, or set fsdp.init: cpu (or auto) to build the "
+            "model on CPU as ddp does.",
+        )
 
 
 class ShardedInit(TorchFunctionMode):
@@ -52,7 +80,9 @@ class ShardedInit(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if isinstance(target, torch.Tensor) and (name.endswith("_") or name == "__setitem__"):
             self.written.add(storage_of(target))
-        if func in _WHOLE_TENSOR_FILLS and isinstance(target, DTensor):
+        if _is_whole_tensor_fill(func) and isinstance(target, DTensor):
+            if getattr(target, "_is_hf_initialized", False):
+                return target  # as transformers' own fills do
             return _fill_shard(func, target, args, kwargs)
         return func(*args, **kwargs)
 
@@ -82,17 +112,12 @@ def _fill_shard(func: Any, target: DTensor, args: tuple, kwargs: dict) -> DTenso
 
 def initialize(model: torch.nn.Module, init: Any) -> None:
     """Runs `init(model)` with sharded random fills made exact. Memory from `to_empty` holds
-    garbage, so a parameter or buffer that `init` never wrote is an error, not a silent NaN."""
+    garbage, so a parameter or buffer that `init` never wrote is an error (`UnsetByInit`), not a
+    silent NaN."""
     mode = ShardedInit()
     with torch.no_grad(), mode:
         init(model)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     missed = [name for name, t in tensors if t.numel() and storage_of(t) not in mode.written]
     if missed:
-        shown = ", ".join(missed[:8]) + (f" and {len(missed) - 8} more" if len(missed) > 8 else "")
-        raise UsageError(
-            f"fsdp: the model is built on the meta device, and its initialisation left {shown} "
-            "unset",
-            hint="Give the recipe an init_weights(model) (or the model an init_weights()) that "
-            "fills every parameter and buffer; reset_parameters() of each module is the default.",
-        )
+        raise UnsetByInit(missed)

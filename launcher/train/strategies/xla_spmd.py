@@ -123,6 +123,8 @@ class _BatchSharding:
         if tensor.dim() == 0:
             return None
         if tensor.dim() not in self._specs:
-            partition = (_AXES[0],) + (None,) * (tensor.dim() - 1)
+            # Dimension 0 over both axes (the model axis has size 1): torch_xla's ShardingSpec
+            # cannot tile a 1-D tensor (class labels, say) over one axis of a 2-D mesh.
+            partition = (_AXES,) + (None,) * (tensor.dim() - 1)
             self._specs[tensor.dim()] = xs.ShardingSpec(self.mesh, partition, self.minibatch)
         return self._specs[tensor.dim()].xla_spec(tensor)

@@ -1,0 +1,196 @@
+"""`train validate` builds what a run builds (datasets, a batch, the model on the meta device)
+and refuses what the run would fail on; `train` checks the recipe's arguments before it
+starts anything."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from launcher.errors import UsageError
+from launcher.spec import RecipeSection
+from launcher.train.recipe import Recipe
+from launcher.train.recipe_check import check_arguments
+from tests.conftest import run_train, usage_error, write_spec
+
+pytestmark = pytest.mark.timeout(120)
+
+HEAD = "import torch\nfrom torch import nn\nfrom torch.utils.data import IterableDataset\n\n"
+MODEL = "def build_model():\n    return nn.Linear(4, 1)\n\n"
+LOSS = "def loss(model, batch):\n    return model(batch[0]).mean()\n\n"
+STREAM = """
+class Stream(IterableDataset):
+    def __iter__(self):
+        while True:
+            yield torch.randn(4), torch.randn(1)
+
+
+def build_dataset(split):
+    return Stream()
+"""
+STRINGS = "def build_dataset(split):\n    return ['not a tensor'] * 64\n"
+EMPTY = "def build_dataset(split):\n    return torch.utils.data.TensorDataset(torch.zeros(0, 4))\n"
+BUGGY_MODEL = """
+def build_model():
+    return helper()
+
+
+def helper():
+    raise RuntimeError("my model is broken")
+
+
+def build_dataset(split):
+    return torch.utils.data.TensorDataset(torch.randn(64, 4))
+"""
+
+
+def _validate(tmp_path: Path, *args: str, **sections: dict) -> tuple[int, str]:
+    spec = write_spec(tmp_path / "run.yaml", **sections)
+    result = run_train(["validate", "--config", str(spec), *args], cwd=tmp_path, timeout=90)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _recipe(tmp_path: Path, body: str) -> dict:
+    (tmp_path / "recipe.py").write_text(HEAD + body)
+    return {"source": str(tmp_path / "recipe.py"), "dataset": {}}
+
+
+def test_a_mistyped_model_keyword_is_refused_with_the_real_name(tmp_path: Path) -> None:
+    code, output = _validate(tmp_path, "recipe.model.hiddn=3")
+    assert code == 2, output
+    assert "recipe.model.hiddn: unknown key of build_model()" in output
+    assert "did you mean 'recipe.model.hidden'?" in output
+    assert "valid here: in_dim, hidden, depth, out_dim" in output
+    assert "Traceback" not in output
+
+
+def test_train_refuses_a_mistyped_keyword_before_it_creates_anything(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "run.yaml", recipe={"model": {"hiddn": 3}})
+    result = run_train(["--config", str(spec)], cwd=tmp_path, timeout=90)
+    usage_error(result, "recipe.model.hiddn", "did you mean 'recipe.model.hidden'?")
+    assert "rank" not in result.stdout + result.stderr  # no worker ever started
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_mistyped_dataset_keyword_is_refused(tmp_path: Path) -> None:
+    code, output = _validate(tmp_path, "recipe.dataset.n_sample=64")
+    assert code == 2, output
+    assert "recipe.dataset.n_sample: unknown key of build_dataset()" in output
+    assert "did you mean 'recipe.dataset.n_samples'?" in output
+
+
+def test_a_good_spec_reports_the_model_and_the_data(tmp_path: Path) -> None:
+    code, output = _validate(tmp_path, "eval.every_n_steps=5", "recipe.dataset.n_samples=1000")
+    assert code == 0, output
+    assert "run.yaml: ok · model Sequential 5,313 parameters" in output
+    # 1,000 samples over 2 devices x 8, the last short batch dropped: 62 steps.
+    assert "train 1,000 samples (62 steps/epoch at 2 devices x 8)" in output
+    assert "val 1,000 samples" in output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_stream_is_reported_without_a_length(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, MODEL + LOSS + STREAM)
+    code, output = _validate(tmp_path, "eval.every_n_steps=5", "eval.max_batches=2", recipe=recipe)
+    assert code == 0, output
+    assert "train stream (no length; train.max_steps=10)" in output
+    assert "val stream" in output
+    assert "model Linear 5 parameters" in output
+
+
+def test_a_streamed_val_split_needs_max_batches(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, MODEL + LOSS + STREAM)
+    code, output = _validate(tmp_path, "eval.every_n_steps=5", recipe=recipe)
+    assert code == 2, output
+    assert "eval.max_batches: the val split is a stream" in output
+
+
+def test_a_stream_needs_max_steps(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, MODEL + LOSS + STREAM)
+    code, output = _validate(tmp_path, "train.max_steps=null", "train.max_epochs=1", recipe=recipe)
+    assert code == 2, output
+    assert "train.max_steps: the train split is a stream" in output
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        pytest.param(MODEL + LOSS + STRINGS, ["a batch holds no tensor"], id="no-tensor"),
+        pytest.param(MODEL + LOSS + EMPTY, ["build_dataset('train') is empty"], id="empty"),
+        pytest.param(
+            LOSS + BUGGY_MODEL,
+            ["recipe: build_model() failed", "recipe.py", "in helper", "my model is broken"],
+            id="model-raises",
+        ),
+    ],
+)
+def test_what_the_run_would_fail_on_is_refused(
+    tmp_path: Path, body: str, expected: list[str]
+) -> None:
+    code, output = _validate(tmp_path, recipe=_recipe(tmp_path, body))
+    assert code == 2, output
+    for text in expected:
+        assert text in output, output
+    assert "Traceback" not in output and "launcher/" not in output, output
+
+
+def test_a_model_the_meta_device_cannot_build_is_built_for_real(tmp_path: Path) -> None:
+    body = MODEL.replace("return", "torch.ones(1).item()\n    return") + LOSS + STRINGS
+    body = body.replace("['not a tensor']", "[torch.ones(4)]")
+    code, output = _validate(tmp_path, recipe=_recipe(tmp_path, body))
+    assert code == 0, output
+    assert "model Linear 5 parameters (built on the CPU" in output
+
+
+def _module(source: str) -> Recipe:
+    module = ModuleType("recipe_under_test")
+    exec(textwrap.dedent(source), module.__dict__)
+    return Recipe("recipe_under_test.py", module)
+
+
+@pytest.mark.parametrize(
+    ("model", "dataset", "expected"),
+    [
+        ({"anything": 1}, {"at_all": 2}, None),  # **kwargs takes every key
+        ({}, {"size": 3, "split": "val"}, "recipe.dataset.split: build_dataset() gets this"),
+        ({"extra": 1}, {"size": 3}, "recipe.model.extra: unknown key of build_model()"),
+        ({}, {}, "recipe.dataset.size: required by build_dataset(), but missing"),
+    ],
+)
+def test_arguments_are_checked_against_the_signatures(
+    model: dict, dataset: dict, expected: str | None
+) -> None:
+    takes_any = "anything" in model
+    recipe = _module(
+        f"""
+        def build_model({"**kwargs" if takes_any else ""}):
+            pass
+
+        def build_dataset(split, {"**kwargs" if takes_any else "size"}):
+            pass
+        """
+    )
+    section = RecipeSection(source="x.py", model=model, dataset=dataset)
+    if expected is None:
+        check_arguments(recipe, section)
+        return
+    with pytest.raises(UsageError) as caught:
+        check_arguments(recipe, section)
+    assert expected in caught.value.render()
+
+
+def test_a_dataset_builder_without_a_split_parameter_is_named() -> None:
+    recipe = _module("def build_model():\n    pass\ndef build_dataset():\n    pass\n")
+    with pytest.raises(UsageError) as caught:
+        check_arguments(recipe, RecipeSection(source="x.py"))
+    assert "recipe.dataset: build_dataset() must take the split" in caught.value.render()
+
+
+def test_a_call_no_keyword_can_fix_is_named_by_its_section() -> None:
+    recipe = _module("def build_model(width, /):\n    pass\ndef build_dataset(split):\n    pass\n")
+    with pytest.raises(UsageError) as caught:
+        check_arguments(recipe, RecipeSection(source="x.py"))
+    assert "recipe.model: build_model() cannot be called this way" in caught.value.render()

@@ -6,12 +6,16 @@ PYTHON ?= python3.11
 VENV := .venv
 # torch 2.9.0 + torch_xla 2.9.0 (7 GB, cached under ~/.cache/launcher/envs)
 VENV_XLA := .venv-xla
+# The smoke suite's other torch versions: 2.11 (the GPU machines'; a 4 GB CUDA build, cached
+# like the others) and 2.14 (the newest).
+SMOKE_TORCH := 211 214
 export PYTHON
 
-.PHONY: demo test test-dev test-xla lint bench env env-xla clean docs
+.PHONY: demo test test-dev test-other-torch test-xla test-smoke lint bench env env-xla env-smoke clean docs
 
 env: $(VENV)/.ready
 env-xla: $(VENV_XLA)/.ready
+env-smoke: $(SMOKE_TORCH:%=.venv-torch%/.ready)
 
 $(VENV)/.ready: requirements/dev.txt pyproject.toml tools/mkenv.sh
 	tools/mkenv.sh $(VENV) requirements/dev.txt
@@ -19,6 +23,10 @@ $(VENV)/.ready: requirements/dev.txt pyproject.toml tools/mkenv.sh
 
 $(VENV_XLA)/.ready: requirements/xla.txt pyproject.toml tools/mkenv.sh
 	tools/mkenv.sh $(VENV_XLA) requirements/xla.txt
+	touch $@
+
+.venv-torch%/.ready: requirements/torch%.txt pyproject.toml tools/mkenv.sh
+	tools/mkenv.sh .venv-torch$* requirements/torch$*.txt
 	touch $@
 
 demo: env
@@ -32,17 +40,28 @@ lint: env
 # started (startup, rendezvous, signals), and together they keep 2 cores busy; each one's
 # output is shown whole when it ends.
 test: lint
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-dev test-xla
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-dev test-other-torch
+
+# Beside the full suite on torch 2.13: the XLA tests and the smoke suite on torch 2.9 (the one
+# torch_xla pins), then the smoke suite on 2.11 and 2.14.
+test-other-torch:
+	$(MAKE) --no-print-directory test-xla test-smoke
 
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests
 
-# The same suite on torch 2.9, the version torch_xla pins: the launcher must run there too,
-# and the XLA tests (tests/test_xla.py) run for real on XLA's CPU devices. Tests marked
-# launcher_only (bad input refused before torch matters, the log stream, the package's
-# shape) run in .venv only.
+# On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/test_xla.py and
+# others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
+# launcher runs there too (the whole suite there would not fit in make test's 25 minutes).
 test-xla: env-xla
-	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "not launcher_only" tests
+	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "(xla or smoke) and not launcher_only" tests
+
+# One end-to-end run of each main path (tests marked smoke) on every other supported torch.
+test-smoke: env-smoke
+	@for v in $(SMOKE_TORCH); do \
+		echo "smoke suite on $$(.venv-torch$$v/bin/python -c 'import torch; print("torch", torch.__version__)')"; \
+		.venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider -m smoke tests || exit 1; \
+	done
 
 bench: env
 	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"
@@ -52,7 +71,7 @@ bench: env
 	$(VENV)/bin/python bench/eval_cost.py
 
 clean:
-	rm -rf $(VENV) $(VENV_XLA) build *.egg-info
+	rm -rf $(VENV) $(VENV_XLA) .venv-torch* build *.egg-info
 
 docs: env
 	$(VENV)/bin/python -m launcher.spec_docs --write

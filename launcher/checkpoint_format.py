@@ -8,6 +8,7 @@ loaded with `weights_only=True`: loading a checkpoint never runs code from it.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -61,16 +62,78 @@ def _is_dtype(module: str, name: str) -> bool:
     )
 
 
+_CORRUPT = (pickle.UnpicklingError, EOFError, AttributeError, ValueError)
+
+
 def read_metadata(path: Path, flag: str = "--resume") -> Any:
     """DCP's metadata of the checkpoint at `path`; errors name `flag`, the flag or command
     that was given the path (`--resume`, `train export`)."""
     try:
-        with open(CheckpointFiles(path).dcp_metadata, "rb") as f:
-            return _MetadataUnpickler(f).load()
+        return _load_metadata(path)
     except FileNotFoundError:
         raise UsageError(f"{flag} {path}: no .metadata file; not a complete checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+    except _CORRUPT as exc:
         raise UsageError(f"{flag} {path}: corrupt or unsafe checkpoint metadata ({exc})") from None
+
+
+def _load_metadata(path: Path) -> Any:
+    with open(CheckpointFiles(path).dcp_metadata, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def damage(path: Path) -> str | None:
+    """What keeps the complete checkpoint at `path` from loading, naming the file; None when it
+    is whole. DCP's data files must exist and hold every byte that `.metadata` places in them;
+    meta.json and every rank's rank-N.pt must load. Of the data files only the sizes are read."""
+    try:
+        metadata = _load_metadata(path)
+    except FileNotFoundError:
+        return ".metadata is missing"
+    except _CORRUPT as exc:
+        return f".metadata: corrupt or unsafe checkpoint metadata ({exc})"
+    return _data_damage(path, getattr(metadata, "storage_data", None)) or _state_damage(path)
+
+
+def _data_damage(path: Path, storage: Any) -> str | None:
+    ends: dict[str, int] = {}  # each data file: where the last byte .metadata places in it ends
+    for item in (storage or {}).values() if isinstance(storage, dict) else ():
+        name, offset, length = (
+            getattr(item, k, None) for k in ("relative_path", "offset", "length")
+        )
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f".metadata: names a file outside the checkpoint ({name})"
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size < end:
+            return f"{name} is truncated: {size:,} bytes, where .metadata places {end:,}"
+    return None
+
+
+def _state_damage(path: Path) -> str | None:
+    files = CheckpointFiles(path)
+    try:
+        meta = json.loads(files.meta.read_text())
+    except FileNotFoundError:
+        return "meta.json is missing"
+    except ValueError as exc:
+        return f"meta.json is not valid JSON ({exc})"
+    world_size = meta.get("world_size") if isinstance(meta, dict) else None
+    if not isinstance(world_size, int) or world_size < 1:
+        return "meta.json does not record the world size the checkpoint was saved with"
+    for rank in range(world_size):
+        try:
+            torch.load(files.rank_state(rank), map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return f"{files.rank_state(rank).name} is missing"
+        except Exception as exc:  # torch raises a different type for each way a file is broken
+            reason = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
+            return f"{files.rank_state(rank).name} does not load ({reason})"
+    return None
 
 
 def check_matches(path: Path, state: dict[str, Any], limit: int = 10) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from launcher import cli_interrupt  # first: Ctrl-C during the slow imports below
+
+# isort: split
 import os
 import sys
 import traceback
@@ -279,15 +282,12 @@ def _check_recipe(spec: RunSpec) -> None:
 def _guarded(fn, debug: bool) -> int:  # type: ignore[no-untyped-def]
     """Known failures print a short message; a traceback only with --debug."""
     try:
-        return fn()
+        return cli_interrupt.unwinding(fn)
     except LauncherError as exc:
         if debug:
             traceback.print_exc()
         err.print(Text("error: ", style="bold red") + Text(exc.render()))
         return exc.exit_code
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        return 130
 
 
 def main() -> None:

@@ -14,18 +14,18 @@ def load_cli_spec(
 ) -> RunSpec:
     """The spec `--config` names, with `overrides` and the flags given (`--devices` ...) applied
     by precedence: flag > key=value > YAML > default."""
-    from launcher.spec_loader import load_spec, parse_yaml_value
+    from launcher.spec_loader import load_spec
+    from launcher.spec_yaml import echo, parse_yaml_value
 
     # Numbers and `null` are read as YAML, as in overrides; names stay strings.
     typed = ("devices", "max_restarts", "stall_timeout")
-    given: dict[str, tuple[str, object]] = {
-        f"launch.{key}": (
-            f"--{key.replace('_', '-')}",
-            parse_yaml_value(value) if key in typed else value,
-        )
-        for key, value in flags.items()
-        if value is not None
-    }
+    given: dict[str, tuple[str, object]] = {}
+    for key, text in flags.items():
+        if text is None:
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        value = parse_yaml_value(text, f"{flag} {echo(text)}") if key in typed else text
+        given[f"launch.{key}"] = (flag, value)
     if strict_compile:
         given["xla.strict_compile"] = ("--strict-compile", True)
     return load_spec(config, overrides or [], flags=given)

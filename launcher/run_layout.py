@@ -3,6 +3,7 @@
 This module is the one owner of the layout; no other module joins run-folder path parts.
 
     RUN_DIR/
+      launcher.lock              locked by the one launcher that writes the run: its host, pid
       spec.yaml                  the resolved spec the run started with (spec.resume-N.yaml after)
       worker-plan.json           what the launcher hands its workers (nodes/NAME/ with several)
       stop-request               the launcher asks every rank to finish its step, save and exit
@@ -106,6 +107,11 @@ class RunLayout:
         return self.root / "summary.json"
 
     @property
+    def lock(self) -> Path:
+        """Locked (flock) by the launcher that writes the run; it records its host and pid."""
+        return self.root / "launcher.lock"
+
+    @property
     def stop_request(self) -> Path:
         return self.root / "stop-request"
 
@@ -119,7 +125,10 @@ class RunLayout:
 
     def next_resumed_spec(self) -> Path:
         """Where a resumed attempt keeps its spec, beside the one the run started with."""
-        return self.root / f"spec.resume-{len(list(self.root.glob('spec.resume-*.yaml'))) + 1}.yaml"
+        return self.root / f"spec.resume-{len(self.resumed_specs()) + 1}.yaml"
+
+    def resumed_specs(self) -> list[Path]:
+        return list(self.root.glob("spec.resume-*.yaml"))
 
     def node(self, rank: int | None = None, *, tpu_host: int = 0, elastic: bool = False) -> Path:
         """A node's own folder (spec copy, worker plan, agent logs) in a run folder that
@@ -194,7 +203,18 @@ class RunLayout:
         return None
 
     def holds_a_run(self) -> bool:
-        return self.root.is_dir() and any(self.root.iterdir())
+        """Whether the folder holds more than what a launcher writes before the first step. A
+        folder that holds only that, lock file included (a launcher wrote it, not a user), was
+        left by an attempt that never trained (it failed to load its checkpoint, say): a retry
+        may take it over."""
+        if not self.root.is_dir() or not any(self.root.iterdir()):
+            return False
+        if not self.lock.is_file() or (self.metrics.is_file() and self.metrics.stat().st_size):
+            return True
+        startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
+        startup += [self.metrics, self.xla_cache, self.node(0).parent]
+        startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
+        return any(p not in startup for p in self.root.iterdir())
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,12 @@ class RunSection(Section):
     name: str = Field(
         "run",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="Name of the run; new runs go to `<output_dir>/<name>/<timestamp>`, "
-        "and `--resume latest` picks the newest run of this name.",
+        # It names folders, the longest torchelastic's `<name>-<8 hex>_<8 random>`: a file
+        # name holds 255 bytes.
+        max_length=128,
+        description="Name of the run: letters, digits, `.`, `_` and `-`, at most 128 "
+        "characters. New runs go to `<output_dir>/<name>/<timestamp>`, and `--resume latest` "
+        "picks the newest run of this name.",
     )
     seed: int = Field(
         0, description="Seeds python, numpy and torch on every rank, and the sampler."

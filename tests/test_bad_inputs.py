@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import resource
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_train, write_spec
+from launcher.errors import UsageError
+from launcher.spec_loader import load_spec
+from tests.conftest import REPO, finish_train, start_train, write_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,6 +25,13 @@ NO_LOSS += "def build_dataset(split):\n    return []\n"
 RAISES = NO_LOSS + "def loss(model, batch):\n    return 0\n"
 RAISES = RAISES.replace("return torch.nn.Linear(2, 1)", "raise ValueError('my model is broken')")
 CORRUPT_META = b"\x80\x04not a pickle"
+# Inputs that exhausted the machine: a file past the size limit, 300 levels of nesting, and an
+# alias bomb (10 values, each level 10 aliases of the one before: 10**9 once expanded).
+TOO_BIG = "#" * (5 * 1024 * 1024)
+TOO_DEEP = "".join("  " * i + "a:\n" for i in range(300))
+BOMB = "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
+BOMB += "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9))
+BOMB += "optim: {lr: *a8}\n"
 
 # (id, command-line arguments after --config run.yaml, files to write, expected texts, code)
 CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
@@ -112,6 +123,61 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
     ("run-dir-holds-a-run", ["--run-dir", "existing"], {}, ["already holds a run", "--resume"], 2),
     ("config-missing", ["--config", "nope.yaml"], {}, ["nope.yaml"], 2),
     ("config-is-a-folder", ["--config", "existing"], {}, ["existing"], 2),
+    ("config-dev-zero", ["--config", "/dev/zero"], {}, ["/dev/zero: not a regular file"], 2),
+    (
+        "config-dev-urandom-validate",
+        ["validate", "--config", "/dev/urandom"],
+        {},
+        ["/dev/urandom: not a regular file"],
+        2,
+    ),
+    ("config-too-large", ["--config", "big.yaml"], {"big.yaml": TOO_BIG}, ["at most 4 MiB"], 2),
+    (
+        "config-too-large-slurm",
+        ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--config", "big.yaml"],
+        {"big.yaml": TOO_BIG},
+        ["--config big.yaml", "at most 4 MiB"],
+        2,
+    ),
+    (
+        "yaml-too-deep",
+        ["--config", "deep.yaml"],
+        {"deep.yaml": TOO_DEEP},
+        ["deep.yaml:100:", "nested more than 100 levels deep"],
+        2,
+    ),
+    (
+        "yaml-alias-bomb",
+        ["--config", "bomb.yaml"],
+        {"bomb.yaml": BOMB},
+        ["bomb.yaml:", "more than 100,000 values"],
+        2,
+    ),
+    (
+        "yaml-huge-value",
+        ["--config", "huge.yaml"],
+        {"huge.yaml": "optim: {lr: " + "x" * 3_000_000 + "}\n"},
+        ["optim.lr (line 1): expected a number, got 'xxx", "... (3,000,000 characters)"],
+        2,
+    ),
+    ("yaml-list-and-override", ["optim.lr=1"], {"run.yaml": "- a list\n"}, ["a mapping"], 2),
+    ("yaml-unhashable-key", [], {"run.yaml": "? [a, b]\n: 1\n"}, ["run.yaml:1:3"], 2),
+    (
+        "override-huge-value",
+        ["optim.lr=" + "x" * 100_000],
+        {},
+        ["optim.lr (override optim.lr=xxx", "... (100,000 characters)"],
+        2,
+    ),
+    (
+        "override-too-deep",
+        ["recipe.model=" + "{a: " * 300 + "1" + "}" * 300],
+        {},
+        ["override 'recipe.model=", "nested more than 100 levels deep"],
+        2,
+    ),
+    ("run-name-too-long", ["run.name=" + "x" * 300], {}, ["run.name", "at most 128"], 2),
+    ("devices-not-yaml", ["--devices", "["], {}, ["--devices '[': invalid YAML"], 2),
     (
         "recipe-build-model-raises",
         ["recipe.source=raises.py", "recipe.dataset={}"],
@@ -141,18 +207,39 @@ SPEC_ONLY = {
     "unknown-accelerator",
     "unknown-strategy",
     "bad-stall-timeout",
+    "override-huge-value",
+    "override-too-deep",
+    "run-name-too-long",
 }
+# Read until memory ran out before they were refused: should that come back, the case fails
+# with a MemoryError instead of exhausting the machine. RLIMIT_DATA (the heap), not
+# RLIMIT_AS: torch 2.9's CUDA libraries alone map more address space than this.
+EXHAUSTING = {"config-dev-zero", "config-dev-urandom-validate", "yaml-alias-bomb"}
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_DATA, (2**30, 2**30))
 
 
 @pytest.mark.parametrize(
-    ("args", "files", "expected", "code"),
+    ("args", "files", "expected", "code", "bounded"),
     [
-        pytest.param(*c[1:], id=c[0], marks=pytest.mark.launcher_only if c[0] in SPEC_ONLY else ())
+        pytest.param(
+            *c[1:],
+            c[0] in EXHAUSTING,
+            id=c[0],
+            marks=pytest.mark.launcher_only if c[0] in SPEC_ONLY else pytest.mark.smoke,
+        )
         for c in CASES
     ],
 )
 def test_bad_input(
-    tmp_path: Path, args: list[str], files: dict[str, str | bytes], expected: list[str], code: int
+    tmp_path: Path,
+    args: list[str],
+    files: dict[str, str | bytes],
+    expected: list[str],
+    code: int,
+    bounded: bool,
 ) -> None:
     write_spec(tmp_path / "run.yaml", recipe={"source": MLP}, launch={"devices": 1})
     existing = tmp_path / "existing"
@@ -166,7 +253,10 @@ def test_bad_input(
     before = _snapshot(tmp_path)
     config = [] if "--config" in args else ["--config", "run.yaml"]
     # As on a machine without a TPU, also where tests set PJRT_DEVICE=CPU for XLA.
-    result = run_train([*config, *args], cwd=tmp_path, timeout=90, env={"PJRT_DEVICE": "TPU"})
+    env = {"PJRT_DEVICE": "TPU"}
+    limit = _limit_memory if bounded else None
+    proc = start_train([*config, *args], tmp_path, env, preexec_fn=limit)
+    result = finish_train(proc, tmp_path, timeout=90)
     output = result.stdout + result.stderr
     assert result.returncode == code, output
     for text in expected:
@@ -174,9 +264,18 @@ def test_bad_input(
     if code == 2:
         assert "Traceback" not in output, output
         assert len(output.strip().splitlines()) <= 12, output  # short
+        assert len(output) <= 3000, output[:3000]  # and no value echoed whole
     after = _snapshot(tmp_path)
     assert all(after.get(p) == digest for p, digest in before.items()), "changed or deleted"
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.launcher_only
+@pytest.mark.timeout(60)
+def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "run.yaml")
+    with pytest.raises(UsageError, match=r"run\.yaml: not a regular file"):
+        load_spec(tmp_path / "run.yaml")
 
 
 def test_the_corpus_is_big_enough() -> None:

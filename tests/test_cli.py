@@ -95,7 +95,7 @@ def test_an_existing_run_dir_is_never_overwritten(tmp_path: Path) -> None:
 def test_bad_model_arguments_name_the_key(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", recipe={"model": {"widht": 3}})
     result = run_train(["--config", str(spec)], cwd=tmp_path)
-    _usage_error(result, "recipe.model.widht: unknown key of build_model()", "'recipe.model.width'")
+    _usage_error(result, "recipe.model.widht: unknown key of build_model()", "valid here: in_dim")
 
 
 def test_a_recipe_bug_shows_the_users_traceback(tmp_path: Path) -> None:

@@ -189,6 +189,7 @@ def _gpt(folder: Path, **sections: dict) -> Path:
     )
 
 
+@pytest.mark.smoke
 def test_a_run_with_evaluations_trains_and_resumes_exactly_as_one_without(tmp_path: Path) -> None:
     evaluated = {"eval": {"every_n_steps": 4, "max_batches": 2}}
     plain = run_train(["--config", str(_gpt(tmp_path / "plain"))], cwd=tmp_path)

@@ -59,6 +59,7 @@ def test_bf16_parameters_train(tmp_path: Path) -> None:
     assert all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0]
 
 
+@pytest.mark.smoke
 def test_fsdp_resume_is_bitwise_exact(tmp_path: Path) -> None:
     spec = _gpt_spec(tmp_path)
     ref = tmp_path / "ref"

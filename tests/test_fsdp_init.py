@@ -226,6 +226,7 @@ def test_shard_units_of_a_model_without_a_module_list_are_its_repeated_blocks(cn
     assert line + "and the root Net" in output
 
 
+@pytest.mark.smoke
 def test_meta_init_from_the_recipes_init_weights_equals_a_plain_build(tmp_path: Path) -> None:
     (base := tmp_path / "cnn_init.py").write_text(CNN_WITH_INIT)
     meta = _run(tmp_path / "run", base, "fsdp", "fsdp.init=meta")

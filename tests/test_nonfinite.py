@@ -68,6 +68,7 @@ def _finite_weights(checkpoint: Path, scratch: Path) -> bool:
     return all(torch.isfinite(t).all() for t in model.values())
 
 
+@pytest.mark.smoke
 def test_stop_names_the_step_the_rank_and_the_last_finite_checkpoint(tmp_path: Path) -> None:
     result = run_train(["--config", str(_spec(tmp_path, "stop", last=10**9))], cwd=tmp_path)
     output = result.stdout + result.stderr

@@ -162,6 +162,7 @@ def test_sigkill_during_saves_never_breaks_resume_latest(tmp_path: Path, referen
     )
 
 
+@pytest.mark.smoke
 def test_async_checkpoints_hold_exactly_what_sync_ones_hold(
     tmp_path: Path, reference: Path
 ) -> None:
@@ -194,6 +195,7 @@ def _saved_run(tmp_path: Path, **sections) -> tuple[Path, Path]:  # type: ignore
     return spec, run
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(("devices", "batch"), [(1, 8), (4, 2)])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_resume_with_another_world_size(

@@ -130,6 +130,7 @@ def test_a_finite_stream_repeats_until_max_steps(tmp_path: Path) -> None:
             assert max(counts) - min(counts) <= 1, (rank, worker, counts)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("stateful", [False, True], ids=["counted", "state_dict"])
 def test_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool) -> None:
     dataset = {"dataset": {"stateful": stateful}}
@@ -190,6 +191,7 @@ def test_a_stream_needs_max_steps(tmp_path: Path) -> None:
     usage_error(result, "train.max_steps")
 
 
+@pytest.mark.xla
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
 def test_a_stream_with_1d_tensors_trains_and_resumes_under_xla_spmd(tmp_path: Path) -> None:
     """Batches holding a 1-D tensor (the ids here; class labels elsewhere) are split over the

@@ -13,6 +13,7 @@ from tests.conftest import REPO, only_run_dir, run_train, write_spec
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.smoke
 def test_two_ranks_stream_prefixed_logs_and_write_run_files(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", checkpoint={"every_n_steps": 5})
     result = run_train(["--config", str(spec)], cwd=tmp_path)

@@ -286,6 +286,7 @@ def test_the_agents_sigterm_still_stops_a_worker_and_its_loader_workers_at_once(
     assert not list((tmp_path / "runs").glob(f"*/*/{RunLayout(Path()).stop_request.name}"))
 
 
+@pytest.mark.xla
 @pytest.mark.skipif(
     importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed here"
 )

@@ -24,7 +24,7 @@ HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 if os.environ.get("LAUNCHER_REQUIRE_XLA") == "1" and not HAS_XLA:
     raise RuntimeError("LAUNCHER_REQUIRE_XLA=1, but torch_xla is not importable here")
 needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not installed here")
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.xla]
 
 XLA_CPU = {"PJRT_DEVICE": "CPU"}
 STEPS = 20

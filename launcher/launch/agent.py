@@ -3,14 +3,17 @@ workers are started (torchrun's `config_from_args`, for our plan instead of its 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import os
 import sys
 import threading
 import uuid
 from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.launch import rendezvous
@@ -52,10 +55,26 @@ def agent_config(
         max_restarts=plan.spec.launch.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(RunLayout.agent_logs(plan.node_dir))),
+        logs_specs=AgentLogs(log_dir=str(RunLayout.agent_logs(plan.node_dir))),
     )
     argv = ["-u", "-m", WORKER_MODULE, "--plan", str(RunLayout.worker_plan(plan.node_dir))]
     return config, argv
+
+
+class AgentLogs(DefaultLogsSpecs):
+    """The agent's own logs, torch's way, except that the agent never reads a worker's
+    error file.
+
+    torch's agent parses a failed worker's error file (TORCHELASTIC_ERROR_FILE), and an empty
+    or torn one (a full disk, a rank killed while writing it) makes the agent itself fail with
+    a JSONDecodeError instead of reporting the worker's failure. The launcher needs none of
+    it: its report comes from the rank's log, exit code and failure record. So workers still
+    write theirs, where torch puts it, and the agent is handed os.devnull instead, as torch
+    does itself when it keeps no logs."""
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        dest = super().reify(envs)
+        return dataclasses.replace(dest, error_files=dict.fromkeys(dest.error_files, os.devnull))
 
 
 class AgentThread(threading.Thread):

@@ -18,6 +18,7 @@ from launcher.errors import RunError
 from launcher.launch import failure_report
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
 from launcher.launch.plan import LaunchPlan
+from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.launch.supervise import SIGNAL_EXIT, NodeView, Outcome, exit_now, supervise
 
@@ -27,7 +28,12 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     # Whatever the user's umask, nothing the run writes (folders, logs, checkpoints, by the
     # launcher or its workers, who inherit this) is writable by other users.
     os.umask(os.umask(0) | 0o002)
-    prepare_run_dir(plan)
+    # Locked: this launcher is the run folder's one writer until the run ends.
+    with prepare_run_dir(plan):
+        return _run(plan, console)
+
+
+def _run(plan: LaunchPlan, console: Console | None) -> int:
     # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
     # Every node removes it before it joins, so never after the run has started.
     plan.layout.stop_request.unlink(missing_ok=True)
@@ -37,8 +43,12 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     view = NodeView(plan, console)
     config, argv = agent_config(plan, view.follow)
     _announce(plan, console)
-    outcome = supervise(plan, AgentThread(config, argv), view, console)
-    return _conclude(outcome, plan, console)
+    with Reaper() as reaper:  # nothing the run starts outlives it
+        outcome = supervise(plan, AgentThread(config, argv), view, console, reaper.pid)
+        code = _conclude(outcome, plan, console)
+    if outcome.at_once:
+        exit_now(code)
+    return code
 
 
 def _announce(plan: LaunchPlan, console: Console) -> None:
@@ -59,9 +69,17 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
     logs = plan.layout.logs
     if outcome.signals >= 2:
         console.print(f"stopped at once by a second {outcome.signal_name}; logs in {logs}")
-        exit_now(outcome.exit_code_of_signal)
+        return outcome.exit_code_of_signal
+    if outcome.untrained:
+        console.print(
+            f"stopped by {outcome.signal_name} before the first step: nothing to save; "
+            f"logs in {logs}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return outcome.exit_code_of_signal
     if outcome.stalls:
-        exit_now(failure_report.report_stall(outcome.stalls, plan, console))
+        return failure_report.report_stall(outcome.stalls, plan, console)
     error = outcome.error
     if isinstance(error, ChildFailedError):
         return failure_report.report_failure(error, plan, console)
@@ -85,13 +103,14 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
 def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
     latest = plan.layout.latest_complete()
     resume = "latest" if plan.nodes.job_id else str(plan.run_dir)
+    if latest:
+        end = f"; saved {latest}. Continue with: --resume {resume}"
+    elif plan.spec.checkpoint.enabled:  # the ranks stopped before their first step
+        end = " before the first step: nothing to save"
+    else:
+        end = " (checkpoints are off: nothing to resume)"
     console.print(
-        (f"stopped by {outcome.signal_name}" if outcome.signals else "stopped on request")
-        + (
-            f"; saved {latest}. Continue with: --resume {resume}"
-            if latest
-            else " (checkpoints are off: nothing to resume)"
-        ),
+        (f"stopped by {outcome.signal_name}" if outcome.signals else "stopped on request") + end,
         highlight=False,
         soft_wrap=True,
     )

@@ -5,7 +5,9 @@ failure, a Python exception or a SIGKILL from the kernel, with nothing to decora
 
 from __future__ import annotations
 
+import contextlib
 import re
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -21,6 +23,7 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.root_cause import root_cause
 from launcher.launch.watchdog import Stall, describe
+from launcher.run_layout import CheckpointFiles, RunLayout
 
 _SIGNALS = {
     signal.SIGKILL: "killed (SIGKILL): most often the kernel's out-of-memory killer; "
@@ -35,12 +38,16 @@ _SIGNALS = {
     signal.SIGINT: "interrupted (SIGINT)",
     signal.SIGHUP: "hung up (SIGHUP): its terminal or session went away",
     signal.SIGPIPE: "broken pipe (SIGPIPE)",
+    signal.SIGXFSZ: "file size limit exceeded (SIGXFSZ): a file outgrew `ulimit -f`",
 }
 _CODES = {
     1: "exited with an error (exit code 1)",
     2: "stopped on bad input (exit code 2)",
 }
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.MULTILINE)
+_ERROR = re.compile(r"^error: ", re.MULTILINE)
+# Below this, the run folder's disk is called full (a failed write leaves a few KB at most).
+_FULL_BELOW_BYTES = 16 * 2**20
 
 
 def describe_exit(code: int) -> str:
@@ -84,9 +91,15 @@ def peer_lost(log_file: Path) -> bool:
     return bool(_PEER_LOST.search(detail))
 
 
-def _error_line(log: str) -> str | None:
-    found = [line for line in log.splitlines() if line.startswith("error: ")]
-    return found[-1] if found else None
+def last_words(log: str, max_error_lines: int = 8) -> str | None:
+    """What a rank said last about its failure: its last Python traceback, or the error a
+    worker printed after it (`error: ...`, then its details and hint, the log's last lines)."""
+    errors, tracebacks = list(_ERROR.finditer(log)), list(_TRACEBACK.finditer(log))
+    if not errors or (tracebacks and tracebacks[-1].start() > errors[-1].start()):
+        return last_traceback(log)
+    lines = log[errors[-1].start() :].rstrip("\n").splitlines()
+    # Anything printed after the error (another thread's output) leaves its first line only.
+    return "\n".join(lines if len(lines) <= max_error_lines else lines[:1])
 
 
 def failure_panel(
@@ -100,7 +113,7 @@ def failure_panel(
         Text.assemble(("how: ", "bold"), describe_exit(code)),
         Text.assemble(("log: ", "bold"), str(log_file)),
     ]
-    detail = last_traceback(log) or _error_line(log)
+    detail = last_words(log)
     if detail and detail.count("\n") > max_traceback:  # the innermost frames say the most
         detail = "  ...\n" + "\n".join(detail.splitlines()[-max_traceback:])
     if detail:
@@ -147,8 +160,45 @@ def report_failure(exc: ChildFailedError, plan: LaunchPlan, console: Console) ->
         console.print(also, highlight=False)
     if plan.spec.launch.max_restarts:
         console.print(f"gave up after {plan.spec.launch.max_restarts} restart(s)")
+    for note in storage_notes(plan.layout):
+        console.print(Text("note: ", style="bold yellow") + Text(note), soft_wrap=True)
     # A worker's own usage error (exit 2) is still the user's input to fix.
     return code if code in (1, 2) else (128 - code if code < 0 else 1)
+
+
+def storage_notes(layout: RunLayout) -> list[str]:
+    """What a failure left on the run folder's file system, said whether or not a rank could
+    say it (on a full disk its log may end mid-line): saves cut short, and a full disk."""
+    notes = []
+    with contextlib.suppress(OSError):  # another node may be removing them right now
+        for path in sorted(layout.checkpoints.iterdir()):
+            files = CheckpointFiles(path)
+            if path.is_dir() and files.looks_interrupted and not files.is_complete:
+                notes.append(
+                    f"a save that did not finish left {path} ({_megabytes(_size(path))}); it "
+                    "is never resumed from: delete it to free the space"
+                )
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(layout.root).free
+    if free is not None and free < _FULL_BELOW_BYTES:
+        notes.append(
+            f"the disk holding {layout.root} is full ({_megabytes(free)} free): free space, "
+            "or keep fewer checkpoints (checkpoint.keep_last)"
+        )
+    return notes
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size if path.is_file() else 0
+    return total
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2**20:,.1f} MB"
 
 
 def explain_rendezvous_error(error: BaseException, plan: LaunchPlan) -> None:

@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.checkpoint_format import read_metadata
 from launcher.errors import UsageError
 from launcher.launch import run_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
@@ -188,6 +187,8 @@ def _run_and_resume(
 ) -> tuple[Path, Path | None]:
     """The run folder and the checkpoint the first attempt resumes from."""
     output_dir, name = Path(spec.run.output_dir), spec.run.name
+    if run_dir is not None:
+        run_choice.check_is_folder(run_dir)
     if nodes.job_id is None:
         resume_from = _resume_point(resume, output_dir, name)
         if resume == "best" and run_dir is None:
@@ -207,11 +208,9 @@ def _run_and_resume(
 
 
 def _resume_point(resume: str | None, output_dir: Path, name: str) -> Path | None:
-    if resume is None:
-        return None
-    resume_from = run_choice.resolve_resume(resume, output_dir, name)
-    read_metadata(resume_from)  # a corrupt checkpoint is refused here, before any process
-    return resume_from
+    # Whether its files are whole is checked just before the run folder is created
+    # (run_folder.prepare_run_dir), once this node's plan is made.
+    return None if resume is None else run_choice.resolve_resume(resume, output_dir, name)
 
 
 def _omp_threads(accelerator: str, nproc: int) -> int:

@@ -16,7 +16,8 @@ def root_cause(failures: dict[int, Any], run_dir: Path | None = None) -> tuple[i
 
     A rank killed by a signal from outside (SIGKILL by the OOM killer, SIGSEGV) comes first:
     its peers only see their connections drop. Then ranks that raised, by the time each one
-    recorded (the agent's own timestamps are whole seconds); ranks the agent stopped, last.
+    recorded, or for a rank that died before it could record (os._exit, a full disk), by its
+    log's last write; ranks the agent stopped, last.
     """
     failed_at = failure_times(run_dir) if run_dir else {}
     # Only this attempt's records: an earlier attempt's rank had another pid.
@@ -33,9 +34,20 @@ def root_cause(failures: dict[int, Any], run_dir: Path | None = None) -> tuple[i
             kind = 1
         else:
             kind = 2
-        return kind, failed_at.get(rank, float(failure.timestamp)), rank
+        return kind, failed_at.get(rank) or _died_at(run_dir, rank, failure), rank
 
     return min(failures.items(), key=order)
+
+
+def _died_at(run_dir: Path | None, rank: int, failure: Any) -> float:
+    """When a rank that left no failure record failed: its log's last write, which is right
+    before it ended. The agent's own timestamp is a whole second (rounded down), so it would
+    come before the precise records of the peers that failed because of this rank."""
+    seen = float(failure.timestamp)
+    if run_dir is not None:
+        with contextlib.suppress(OSError):
+            return min(seen + 1, RunLayout(run_dir).log(rank).stat().st_mtime)
+    return seen
 
 
 def failure_times(run_dir: Path) -> dict[int, tuple[float, int]]:

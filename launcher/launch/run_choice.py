@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from launcher.errors import UsageError
+from launcher.launch.checkpoint_check import refuse_damaged
 from launcher.run_layout import RunLayout, checkpoint_in, latest_complete, run_of
 
 
@@ -30,7 +31,10 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     """`--resume` accepts a checkpoint folder, a run folder, `latest` (the newest run of
     `name`) or `best` (that run's best checkpoint by `checkpoint.monitor`)."""
     if arg == "best":
-        run = run_of(resolve_resume("latest", output_dir, name))
+        newest = resolve_resume("latest", output_dir, name)
+        # Its meta.json holds the record of the best checkpoints.
+        refuse_damaged(newest, f"--resume best: the newest checkpoint, {newest},")
+        run = run_of(newest)
         best = RunLayout(run).best() if run else None
         if best is None:
             raise UsageError(
@@ -61,23 +65,51 @@ def own_run(output_dir: Path, name: str, run_dir: Path | None, resume_from: Path
         # A resumed run continues in its own folder; a new run, or one resumed from a
         # checkpoint that is not inside a run folder, gets a new one.
         run_dir = (resume_from and run_of(resume_from)) or new_run_dir(output_dir, name)
-    layout = RunLayout(run_dir)
-    newest = layout.latest_complete()
-    # Writing into a folder that holds a run is safe only when this run continues exactly
-    # where that folder's newest checkpoint left off; anything else would mix two runs and
-    # overwrite or prune the other run's checkpoints.
-    if layout.holds_a_run() and (resume_from is None or newest != resume_from):
-        if not explicit:
-            raise UsageError(
-                f"--resume {resume_from}: its run already has a newer checkpoint "
-                f"({newest}); continuing in place would overwrite it",
-                hint="Branch off with --run-dir NEW_FOLDER, or resume the newest checkpoint.",
-            )
+    if not _would_mix(run_dir, resume_from):
+        return run_dir
+    newest = latest_complete(run_dir)
+    if not explicit:
         raise UsageError(
-            f"--run-dir {run_dir}: already holds a run; it is never overwritten",
-            hint=f"Continue it with --resume {newest or run_dir}, or choose a new --run-dir.",
+            f"--resume {resume_from}: its run already has a newer checkpoint "
+            f"({newest}); continuing in place would overwrite it",
+            hint="Branch off with --run-dir NEW_FOLDER, or resume the newest checkpoint.",
         )
-    return run_dir
+    raise UsageError(
+        f"--run-dir {run_dir}: already holds a run; it is never overwritten",
+        hint=f"Continue it with --resume {newest}, or choose a new --run-dir."
+        if newest
+        else "It has no checkpoint for --resume to continue from: choose a new --run-dir.",
+    )
+
+
+def check_is_folder(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        what = "a file" if run_dir.is_file() else "not a folder"
+        raise UsageError(
+            f"--run-dir {run_dir}: is {what}; a run folder holds the run's logs, metrics and "
+            "checkpoints",
+            hint="Give a folder: a new one (it is created), or a run's folder to continue it.",
+        )
+
+
+def check_unchanged(run_dir: Path, resume_from: Path | None, job_id: str | None) -> None:
+    """The plan's choice of folder, again once this launcher holds the folder's lock: another
+    launcher may have written into it between the plan and the lock."""
+    if job_id is not None:
+        check_job_resume(run_dir, job_id, resume_from)
+    elif _would_mix(run_dir, resume_from):
+        raise UsageError(
+            f"run folder {run_dir}: another launcher wrote into it while this one was starting",
+            hint="Run the command again: it is planned anew from what the folder holds now.",
+        )
+
+
+def _would_mix(run_dir: Path, resume_from: Path | None) -> bool:
+    """Writing into a folder that holds a run is safe only when this run continues exactly
+    where that folder's newest checkpoint left off; anything else would mix two runs and
+    overwrite or prune the other run's checkpoints."""
+    layout = RunLayout(run_dir)
+    return layout.holds_a_run() and (resume_from is None or layout.latest_complete() != resume_from)
 
 
 def refuse_finished_job(run_dir: Path, job_id: str) -> None:

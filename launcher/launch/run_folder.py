@@ -6,36 +6,65 @@ import os
 from pathlib import Path
 
 from launcher.errors import UsageError
+from launcher.launch import run_choice, run_lock
+from launcher.launch.checkpoint_check import refuse_damaged
 from launcher.launch.plan import LaunchPlan
 from launcher.spec_loader import spec_to_yaml
 
 
-def prepare_run_dir(plan: LaunchPlan) -> None:
-    """Creates the run folder (never world-writable), saves the resolved spec into it and
-    writes this node's worker plan."""
-    layout = plan.layout
+def prepare_run_dir(plan: LaunchPlan) -> run_lock.RunLock:
+    """Creates the run folder (never world-writable) and locks it, saves the resolved spec into
+    it and writes this node's worker plan. Returns the lock: the run folder's one writer is the
+    launcher that holds it (node 0's, when several nodes share the folder)."""
+    if plan.resume_from is not None:
+        # Before anything is created, so that a retry finds nothing in its way.
+        refuse_damaged(plan.resume_from)
+    _create(plan)
+    lock = run_lock.take(plan.layout) if plan.writes_shared_files else run_lock.RunLock()
+    try:
+        if plan.writes_shared_files:
+            run_choice.check_unchanged(plan.run_dir, plan.resume_from, plan.nodes.job_id)
+        _write_files(plan)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _create(plan: LaunchPlan) -> None:
     # A new run claims its folder atomically: two launches never share one. The nodes of a
-    # job share theirs, which whichever comes first creates.
+    # job share theirs, which whichever comes first creates; a folder that an attempt which
+    # never trained left (or an empty one) is taken over under the lock.
     fresh = (
         plan.resume_from is None
         and plan.nodes.job_id is None
-        and not (plan.run_dir.is_dir() and not any(plan.run_dir.iterdir()))
+        and not (plan.run_dir.is_dir() and not plan.layout.holds_a_run())
     )
     try:
         plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
-        layout.logs.mkdir(exist_ok=True)
-        layout.telemetry_dir.mkdir(exist_ok=True)
-        plan.node_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
+        run_choice.check_is_folder(plan.run_dir)
         raise UsageError(f"--run-dir {plan.run_dir}: appeared while starting; run again") from None
     except OSError as exc:
         raise UsageError(f"--run-dir {plan.run_dir}: cannot create it ({exc.strerror})") from None
     if not os.access(plan.run_dir, os.W_OK):
         raise UsageError(f"--run-dir {plan.run_dir}: not writable")
+
+
+def _write_files(plan: LaunchPlan) -> None:
+    layout = plan.layout
+    try:
+        layout.logs.mkdir(exist_ok=True)
+        layout.telemetry_dir.mkdir(exist_ok=True)
+        plan.node_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--run-dir {plan.run_dir}: cannot write in it ({exc.strerror})") from None
     text = spec_to_yaml(plan.spec)
     if plan.writes_shared_files:
-        # A resumed run keeps the spec it started with; this attempt's goes beside it.
-        _write_atomic(layout.next_resumed_spec() if layout.spec.exists() else layout.spec, text)
+        # A resumed run keeps the spec it started with, and this attempt's goes beside it;
+        # one that never trained is replaced.
+        resumed = layout.spec.exists() and layout.holds_a_run()
+        _write_atomic(layout.next_resumed_spec() if resumed else layout.spec, text)
     if plan.node_dir != plan.run_dir:
         # Each node keeps the spec it ran, with or without storage the nodes share.
         _write_atomic(layout.node_spec(plan.node_dir), text)

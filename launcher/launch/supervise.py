@@ -22,7 +22,9 @@ from launcher.launch.display import RunDisplay
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.watchdog import Stall, Watchdog
+from launcher.run_layout import step_of
 from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
+from launcher.telemetry import read_beat
 
 SIGNAL_EXIT = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}
 
@@ -36,15 +38,25 @@ class Outcome:
     signals: int = 0  # SIGINT, SIGTERM and SIGHUP taken
     signal_name: str = ""
     stalls: list[Stall] = field(default_factory=list)
+    untrained: bool = False  # stopped before any rank finished a step: nothing to save
 
     @property
     def exit_code_of_signal(self) -> int:
         return SIGNAL_EXIT.get(self.signal_name, 1)
 
+    @property
+    def at_once(self) -> bool:
+        """Whether the workers were killed: the elastic agent's thread may still be in torch."""
+        return self.signals >= 2 or bool(self.stalls) or self.untrained
 
-def supervise(plan: LaunchPlan, agent: AgentThread, view: NodeView, console: Console) -> Outcome:
+
+def supervise(
+    plan: LaunchPlan, agent: AgentThread, view: NodeView, console: Console, spare: int
+) -> Outcome:
     """Runs the agent until its workers end. A first signal asks every rank to finish its
-    step and save (the stop-request file); a second one, or a hang, kills every worker."""
+    step and save (the stop-request file), or kills every worker while none has finished a
+    step (nothing to save); a second one, or a hang, kills every worker. `spare`: a process
+    of ours that stays (the reaper)."""
     stop_request = plan.layout.stop_request
     with view, Signals() as signals:
         agent.start()
@@ -52,6 +64,9 @@ def supervise(plan: LaunchPlan, agent: AgentThread, view: NodeView, console: Con
             agent.join(0.2)
             if signals.received == 1 and not signals.forwarded:
                 signals.forwarded = True
+                if view.untrained():
+                    kill_workers(spare)
+                    return Outcome(None, 1, signals.name, untrained=True)
                 stop_request.touch()
                 save = " and saves a checkpoint" if plan.spec.checkpoint.enabled else ""
                 console.print(
@@ -61,7 +76,7 @@ def supervise(plan: LaunchPlan, agent: AgentThread, view: NodeView, console: Con
                 )
             stalls = [] if signals.received >= 2 else view.stalls()
             if signals.received >= 2 or stalls:
-                kill_workers()
+                kill_workers(spare)
                 return Outcome(None, signals.received, signals.name, stalls)
     return Outcome(agent.error, signals.received, signals.name)
 
@@ -74,6 +89,7 @@ class NodeView:
     def __init__(self, plan: LaunchPlan, console: Console) -> None:
         self.plan, self.console = plan, console
         self.ranks: range | None = None
+        self._start_step = 0
         self._display: RunDisplay | None = None
         self._watchdog: Watchdog | None = None
         self._lock = threading.Lock()
@@ -85,7 +101,9 @@ class NodeView:
         # Left by an earlier attempt: a stale heartbeat would look like a stalled rank.
         for rank in ranks:
             plan.layout.beat(rank).unlink(missing_ok=True)
+        start = plan.layout.latest_complete() or plan.resume_from  # the workers' resume rule
         with self._lock:
+            self._start_step = (step_of(start) if start else None) or 0
             self._watchdog = Watchdog(plan.run_dir, ranks, plan.spec.launch.stall_timeout)
             if ranks == self.ranks:
                 return
@@ -106,6 +124,16 @@ class NodeView:
                 title=plan.spec.run.name,
             )
             self._display.start()
+
+    def untrained(self) -> bool:
+        """Whether no rank has finished a step past the checkpoint it started from: a stop
+        would save nothing. Never on several nodes: the others' ranks are out of sight."""
+        if self.plan.nodes.multi:
+            return False
+        with self._lock:
+            ranks, start = self.ranks or range(0), self._start_step
+        beats = [read_beat(self.plan.layout.beat(rank)) for rank in ranks]
+        return all(beat is None or beat[0] <= start for beat in beats)
 
     def stalls(self) -> list[Stall]:
         with self._lock:
@@ -158,9 +186,10 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def kill_workers() -> None:
-    """Every process this launcher started, and theirs (spawned replicas, data workers)."""
-    children = psutil.Process().children(recursive=True)
+def kill_workers(spare: int) -> None:
+    """Every process this launcher started, and theirs (spawned replicas, data workers), but
+    `spare` (the reaper: it ends what left the tree, once the launcher has ended)."""
+    children = [p for p in psutil.Process().children(recursive=True) if p.pid != spare]
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()

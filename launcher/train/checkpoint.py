@@ -27,6 +27,8 @@ import torch
 from launcher.checkpoint_format import check_matches
 from launcher.errors import RunError
 from launcher.run_layout import CheckpointFiles, RunLayout, latest_complete
+from launcher.train.save_failure import explained_writes, failing_save, file_writer
+from launcher.train.shared_storage import check_shared_run_dir
 from launcher.train.state import ModelState, TrainState
 from launcher.train.strategies.base import Strategy, local_shard
 
@@ -76,6 +78,7 @@ class Checkpointer:
         keep_last: int | None = None,
         use_async: bool = False,
     ) -> None:
+        check_shared_run_dir(strategy, run_dir)  # before the first save, not at it
         self.strategy = strategy
         self.layout = RunLayout(run_dir)
         self.model = model  # DCP: each rank writes its shards
@@ -97,28 +100,35 @@ class Checkpointer:
         state = self.model.state_dict()
         self.wait()
         staging = self.layout.staging(step)
-        if self.strategy.is_main:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never a published one
-            staging.mkdir(parents=True)
-        self.strategy.barrier()
-        _save_synced(rank_state, CheckpointFiles(staging).rank_state(self.strategy.rank))
-        if self.use_async:
-            module = getattr(self.model, "model", None)
-            state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}
-            response = dcp.async_save(
-                state,
-                checkpoint_id=staging,
-                process_group=self._group,
-                **({"async_stager": self._stager} if self._stager else {}),
-            )
-            future = getattr(response, "upload_completion", response)
-            self._staging = getattr(response, "staging_completion", None)
-            self._pending = _Pending(step, staging, meta, future)
-        else:
-            with _quiet_dcp():
-                dcp.save(state, checkpoint_id=staging, planner=self.strategy.save_planner())
-            self._publish(staging, self.layout.checkpoint(step), meta)
+        with failing_save(self.layout, step):
+            if self.strategy.is_main:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never published
+                staging.mkdir(parents=True)
             self.strategy.barrier()
+            _save_synced(rank_state, CheckpointFiles(staging).rank_state(self.strategy.rank))
+            if self.use_async:
+                module = getattr(self.model, "model", None)
+                state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}
+                response = dcp.async_save(
+                    state,
+                    checkpoint_id=staging,
+                    storage_writer=file_writer(staging),
+                    process_group=self._group,
+                    **({"async_stager": self._stager} if self._stager else {}),
+                )
+                future = getattr(response, "upload_completion", response)
+                self._staging = getattr(response, "staging_completion", None)
+                self._pending = _Pending(step, staging, meta, future)
+                return
+            with _quiet_dcp():
+                dcp.save(
+                    state,
+                    checkpoint_id=staging,
+                    storage_writer=file_writer(staging),
+                    planner=self.strategy.save_planner(),
+                )
+            self._publish(staging, self.layout.checkpoint(step), meta)
+        self.strategy.barrier()
 
     def load(self, path: Path) -> bool:
         """Collective: restores every state from the checkpoint at `path`. Returns whether this
@@ -161,9 +171,10 @@ class Checkpointer:
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
         assert pending is not None
-        pending.future.result()  # a failed write raises here, on the training thread
-        # Rank 0's write ends with DCP gathering every rank's results, so all are on disk.
-        self._publish(pending.staging, self.layout.checkpoint(pending.step), pending.meta)
+        with failing_save(self.layout, pending.step):
+            pending.future.result()  # a failed write raises here, on the training thread
+            # Rank 0's write ends with DCP gathering every rank's results, so all are on disk.
+            self._publish(pending.staging, self.layout.checkpoint(pending.step), pending.meta)
 
     def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
         if not self.strategy.is_main:
@@ -255,14 +266,14 @@ def _background_stager() -> Any:
 
 
 def _save_synced(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
+    with explained_writes(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with explained_writes(path), open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

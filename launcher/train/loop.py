@@ -104,7 +104,10 @@ class Trainer:
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
         self.saved_at = progress.step
-        stopped = False
+        # Asked while the ranks were starting (a preemption, Ctrl-C on another node): no step.
+        stopped = self.strategy.any_rank(self.layout.stop_request.exists())
+        if stopped:
+            self._say(f"stop requested: stopping before step {progress.step + 1}")
         while progress.step < self.total_steps and not stopped:
             loaded = self.feed.start(progress.epoch, progress.samples_in_epoch)
             batches = self.feed.batches(self.strategy.loader(loaded))

@@ -10,6 +10,8 @@ With `xla_spawn` in its plan, the worker instead starts the replicas itself thro
 
 A SIGTERM from anyone but the launcher (SLURM preemption and scancel signal every process of
 the job) asks for the same graceful stop as the launcher's stop file; see stop_on_outside_sigterm.
+Programs a worker starts get SIGTERM unblocked again, and whatever it starts ends with the run:
+the launcher's reaper ends every process of the run once the launcher has ended.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from launcher.run_layout import RunLayout
 from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
@@ -99,6 +102,7 @@ def stop_on_outside_sigterm(run_dir: Path, launcher_pid: int) -> None:
         if _sigterm_taken:
             return
         _sigterm_taken = True
+    _start_programs_with_sigterm_unblocked()
     _start_sigterm_thread(run_dir, launcher_pid, quiet=False)
     # A forked child (a DataLoader worker) inherits the blocked mask but not the thread: it
     # gets its own. Quiet: its training process got the same signal and says so. It must not
@@ -107,6 +111,27 @@ def stop_on_outside_sigterm(run_dir: Path, launcher_pid: int) -> None:
     os.register_at_fork(
         after_in_child=lambda: _start_sigterm_thread(run_dir, launcher_pid, quiet=True)
     )
+
+
+def _start_programs_with_sigterm_unblocked() -> None:
+    """A program started from here (a recipe's `subprocess.Popen`) would inherit SIGTERM
+    blocked, since exec keeps the signal mask, and ignore a plain `kill`. CPython starts
+    programs through vfork or posix_spawn, which run no at-fork hook, so the thread that
+    starts one unblocks SIGTERM for that moment. A SIGTERM arriving just then (while the
+    program starts) takes its default action and ends this process by signal 15, as the
+    launcher's does, even one from outside. Forked children
+    (DataLoader workers) and multiprocessing's spawned ones (XLA replicas) are not started
+    this way: they keep SIGTERM blocked and take it as this process does."""
+    start = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def unblocked(popen: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        try:
+            start(popen, *args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    subprocess.Popen._execute_child = unblocked  # type: ignore[attr-defined]
 
 
 def _start_sigterm_thread(run_dir: Path, launcher_pid: int, quiet: bool) -> None:

@@ -1,0 +1,127 @@
+"""A damaged checkpoint is refused by the launcher before it creates a folder or starts a worker
+(exit 2, no traceback), naming the damaged file and the newest intact checkpoint; nothing that
+existed is changed. A branch attempt that failed never blocks its retry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_train, usage_error, write_spec
+
+pytestmark = pytest.mark.timeout(240)
+
+RUN = "runs/t/base"
+STEP_4, STEP_6 = f"{RUN}/checkpoints/step-00000004", f"{RUN}/checkpoints/step-00000006"
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# The damage done to step 6, and what the message names. Where DCP's metadata is read, the
+# smoke suite checks on every torch.
+DAMAGES = [
+    pytest.param(lambda c: (c / "__0_0.distcp").unlink(), "__0_0.distcp is missing", id="missing"),
+    pytest.param(
+        lambda c: _truncate(c / "__1_0.distcp"),
+        "__1_0.distcp is truncated",
+        id="truncated-distcp",
+        marks=pytest.mark.smoke,
+    ),
+    pytest.param(lambda c: _truncate(c / "rank-1.pt"), "rank-1.pt does not load", id="rank-pt"),
+    pytest.param(
+        lambda c: (c / "meta.json").write_text("{garbage"),
+        "meta.json is not valid JSON",
+        id="garbage-meta",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run of 2 processes with checkpoints at steps 2, 4 and 6, evaluated at each."""
+    folder = tmp_path_factory.mktemp("base")
+    _spec(folder)
+    result = run_train(["--config", "run.yaml", "--run-dir", RUN], cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder
+
+
+def _spec(folder: Path) -> None:
+    write_spec(
+        folder / "run.yaml",
+        train={"max_steps": 6, "log_every": 1},
+        checkpoint={"every_n_steps": 2, "monitor": "val/loss"},
+        eval={"every_n_steps": 2, "max_batches": 2},
+    )
+
+
+def _copy(base: Path, tmp_path: Path) -> None:
+    shutil.copytree(base / "runs", tmp_path / "runs")
+    _spec(tmp_path)
+
+
+def _snapshot(folder: Path) -> dict[Path, str]:
+    return {
+        p: hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in folder.rglob("*")
+    }
+
+
+@pytest.mark.parametrize(("damage", "named"), DAMAGES)
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_newest_intact_one(
+    base: Path, tmp_path: Path, damage: Callable[[Path], None], named: str
+) -> None:
+    _copy(base, tmp_path)
+    damage(tmp_path / STEP_6)
+    before = _snapshot(tmp_path)
+    result = run_train(["--config", "run.yaml", "--resume", "latest"], cwd=tmp_path, timeout=60)
+    usage_error(result, "step-00000006", named, f"newest intact checkpoint is {tmp_path / STEP_4}")
+    assert "--run-dir" in result.stdout + result.stderr  # how to resume it: branch off
+    assert _snapshot(tmp_path) == before, "a file was changed, added or deleted"
+
+
+def test_resume_best_refuses_a_damaged_record_of_the_best(base: Path, tmp_path: Path) -> None:
+    _copy(base, tmp_path)
+    (tmp_path / STEP_6 / "meta.json").write_text("{garbage")
+    before = _snapshot(tmp_path)
+    result = run_train(["--config", "run.yaml", "--resume", "best"], cwd=tmp_path, timeout=60)
+    usage_error(result, "--resume best", "meta.json is not valid JSON", "step-00000004")
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_branch_off_a_damaged_checkpoint_leaves_nothing_in_the_way_of_the_retry(
+    base: Path, tmp_path: Path
+) -> None:
+    _copy(base, tmp_path)
+    _truncate(tmp_path / STEP_6 / "__1_0.distcp")
+    branch = ["--config", "run.yaml", "--run-dir", "branch"]
+    usage_error(run_train([*branch, "--resume", STEP_6], cwd=tmp_path, timeout=60), "truncated")
+    assert not (tmp_path / "branch").exists()
+    result = run_train([*branch, "--resume", STEP_4, "train.max_steps=5"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "branch" / "checkpoints" / "step-00000005" / "COMPLETE").exists()
+
+
+def test_a_branch_attempt_that_failed_before_its_first_step_can_be_retried(
+    base: Path, tmp_path: Path
+) -> None:
+    _copy(base, tmp_path)
+    branch = ["--config", "run.yaml", "--run-dir", "branch", "--resume", STEP_4]
+    # Another model: the workers refuse the checkpoint, after the folder was created.
+    failed = run_train([*branch, "recipe.model={hidden: 8}"], cwd=tmp_path)
+    assert failed.returncode != 0 and "does not fit the model" in failed.stdout + failed.stderr
+    assert "hidden: 8" in (tmp_path / "branch" / "spec.yaml").read_text()
+    result = run_train([*branch, "train.max_steps=5"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = (tmp_path / "branch" / "metrics.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in metrics} == {5}
+    # The folder's spec is the attempt's that trained, not the one that failed.
+    assert "hidden" not in (tmp_path / "branch" / "spec.yaml").read_text()
+    assert not list((tmp_path / "branch").glob("spec.resume-*"))

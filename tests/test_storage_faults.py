@@ -1,0 +1,258 @@
+"""The run folder's storage failing: nodes that do not share it, a disk that fills up during a
+save, and a worker's error file left empty or torn (what the elastic agent used to choke on)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from launcher.launch.agent import AgentLogs
+from launcher.launch.failure_report import last_words, storage_notes
+from launcher.launch.root_cause import root_cause
+from launcher.run_layout import RunLayout
+from launcher.train import save_failure
+from tests.conftest import TRAIN, finish_train, run_train, start_train, usage_error, write_spec
+from tests.test_multinode import finish_nodes, free_port, node_args
+
+pytestmark = pytest.mark.timeout(300)
+
+# $STORAGE_FAULT at micro-step $FAULT_AT: `fill` (rank 0 fills the disk of $FILL_FILE, as
+# another program would) or `torn-error-file`/`empty-error-file` (rank 1 dies while writing
+# its elastic error file).
+STORAGE_RECIPE = """
+import os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+calls = 0
+FAULT = os.environ.get("STORAGE_FAULT", "")
+AT = int(os.environ.get("FAULT_AT", "4"))
+
+
+def build_model():
+    # About 1 MB of weights: more than a full disk has room for.
+    return nn.Sequential(nn.Linear(4, 512), nn.Linear(512, 512), nn.Linear(512, 1))
+
+
+def build_dataset(split):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(512, 4, generator=g), torch.randn(512, 1, generator=g))
+
+
+def fill_disk(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 65536)
+    except OSError:
+        pass
+    os.close(fd)
+    # 256 KB left: room for log lines, not for a checkpoint.
+    os.truncate(path, os.path.getsize(path) - 256 * 1024)
+
+
+def loss(model, batch):
+    global calls
+    calls += 1
+    if calls == AT and FAULT == "fill" and os.environ["RANK"] == "0":
+        fill_disk(os.environ["FILL_FILE"])
+    if calls == AT and FAULT.endswith("error-file") and os.environ["RANK"] == "1":
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            f.write('{"message": {"mess' if FAULT.startswith("torn") else "")
+        print("dying while writing its error file", flush=True)
+        os._exit(1)
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+
+
+def _spec(tmp_path: Path, output_dir: Path, **checkpoint: object) -> Path:
+    (tmp_path / "storage.py").write_text(STORAGE_RECIPE)
+    return write_spec(
+        tmp_path / "run.yaml",
+        run={"output_dir": str(output_dir)},
+        recipe={"source": str(tmp_path / "storage.py"), "dataset": {}},
+        train={"max_steps": 30, "log_every": 5},
+        checkpoint={"every_n_steps": 10, **checkpoint},
+    )
+
+
+def test_nodes_with_run_folders_of_their_own_are_refused_before_training(tmp_path: Path) -> None:
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        launch={"devices": 1},
+        train={"max_steps": 6, "log_every": 3},
+        checkpoint={"every_n_steps": 3},
+    )
+
+    def nodes(job: str, *run_dirs: Path) -> list[subprocess.CompletedProcess[str]]:
+        port = free_port()
+        args = [
+            node_args(spec, rank, port, job, "--run-dir", str(run_dirs[rank])) for rank in (0, 1)
+        ]
+        # Node 1 first: it waits for node 0, which hosts the rendezvous.
+        procs = [start_train(a, cwd=tmp_path) for a in args[::-1]][::-1]
+        return finish_nodes(procs, tmp_path)
+
+    own = [tmp_path / "node0", tmp_path / "node1"]
+    for result, run_dir in zip(nodes("own", *own), own, strict=True):
+        usage_error(
+            result,
+            "error: the nodes do not share the run folder: rank 0 (on",
+            f"rank 1 on {socket.gethostname()} looked in {own[1]}",
+            "storage every node sees",
+            "--run-dir, or run.output_dir",
+        )
+        assert "step 3/6" not in result.stdout  # refused before training, not at the save
+        assert not (run_dir / "checkpoints").exists()
+
+    shared = tmp_path / "shared"
+    for result in nodes("shared", shared, shared):
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert (shared / "checkpoints" / "step-00000006" / "COMPLETE").is_file()
+    assert not list(shared.glob(".shared-check*"))
+
+
+# Mounts a small tmpfs in a mount namespace of its own (no root needed where user namespaces
+# are allowed), and runs `train` twice there: the disk fills up, then, freed, it resumes.
+_ON_SMALL_DISK = """
+mount -t tmpfs -o size=8m tmpfs "$DISK" || exit 77
+STORAGE_FAULT=fill "$TRAIN" --config run.yaml > full.out 2>&1
+echo $? > full.rc
+find "$DISK" -path "*checkpoints*" > full.tree
+rm "$DISK/filler"
+"$TRAIN" --config run.yaml --resume latest > resumed.out 2>&1
+echo $? > resumed.rc
+find "$DISK" -path "*checkpoints*" > resumed.tree
+"""
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_disk_that_fills_up_during_a_save(tmp_path: Path, use_async: bool) -> None:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("no user and mount namespaces here, so no small disk to fill")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _spec(tmp_path, disk / "runs", **{"async": use_async})
+    env = {"DISK": str(disk), "TRAIN": str(TRAIN), "FILL_FILE": str(disk / "filler")}
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _ON_SMALL_DISK],
+        cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200", "FAULT_AT": "15", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    done = finish_train(proc, tmp_path, timeout=280)
+    if done.returncode == 77:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr}")
+    full = (tmp_path / "full.out").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() == "1", full
+    assert "JSONDecodeError" not in full and "torch.distributed.elastic failed" not in full
+    assert "error: disk full while writing checkpoint step-00000020 to " in full, full
+    assert "earlier checkpoints are intact (newest: step-00000010)" in full
+    assert "Free space on that disk, or keep fewer checkpoints (checkpoint.keep_last)" in full
+    tree = (tmp_path / "full.tree").read_text()
+    assert "step-00000010/COMPLETE" in tree and ".partial" not in tree, tree
+
+    resumed = (tmp_path / "resumed.out").read_text()
+    assert (tmp_path / "resumed.rc").read_text().strip() == "0", resumed
+    assert "resumed at step 10" in resumed
+    assert "step-00000030/COMPLETE" in (tmp_path / "resumed.tree").read_text()
+
+
+@pytest.mark.parametrize("content", ["torn", "empty"])
+def test_a_broken_worker_error_file_is_reported_as_the_rank_failing(
+    tmp_path: Path, content: str
+) -> None:
+    spec = _spec(tmp_path, tmp_path / "runs")
+    result = run_train(
+        ["--config", str(spec)], cwd=tmp_path, env={"STORAGE_FAULT": f"{content}-error-file"}
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "JSONDecodeError" not in output and "torch.distributed.elastic failed" not in output
+    assert "rank 1 failed on" in output
+    assert "dying while writing its error file" in output
+
+
+def test_the_agent_is_never_handed_a_worker_error_file(tmp_path: Path) -> None:
+    envs: dict[int, dict[str, str]] = {0: {"TORCHELASTIC_RUN_ID": "r"}, 1: {}}
+    dest = AgentLogs(log_dir=str(tmp_path)).reify(envs)
+    for rank in (0, 1):
+        written = Path(envs[rank]["TORCHELASTIC_ERROR_FILE"])  # workers still write theirs
+        written.write_text("")
+        failure = ProcessFailure(rank, pid=1, exitcode=1, error_file=dest.error_files[rank])
+        assert failure.exitcode == 1 and failure.message
+
+
+def test_a_write_that_hit_a_full_disk_says_so_whatever_torch_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+    with pytest.raises(RuntimeError), save_failure.explained_writes(tmp_path):
+        raise torch_save  # plenty of space: not the disk's doing
+    monkeypatch.setattr(save_failure, "free_bytes", lambda where: 4096)
+    with pytest.raises(OSError) as raised, save_failure.explained_writes(tmp_path / "f"):
+        raise torch_save
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "f")
+    # As DCP hands it to every rank: pickled (no __context__), in a CheckpointException.
+    gathered = CheckpointException("write", {1: (pickle.loads(pickle.dumps(raised.value)), [])})
+    assert (save_failure.limit_hit(gathered) or OSError()).errno == errno.ENOSPC
+    assert save_failure.limit_hit(CheckpointException("write", {1: (torch_save, [])})) is None
+
+
+@pytest.mark.launcher_only
+def test_the_panel_shows_the_error_a_rank_printed_after_a_traceback() -> None:
+    traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: x\n'
+    error = "error: disk full while writing\n  a detail\nFree space.\n"
+    assert last_words("step 1\n" + traceback + error) == error.rstrip("\n")
+    assert last_words(error + traceback) == traceback.rstrip("\n")
+    assert last_words(error + "".join(f"line {i}\n" for i in range(9))) == error.splitlines()[0]
+
+
+@pytest.mark.launcher_only
+def test_a_save_that_did_not_finish_is_reported(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path)
+    assert storage_notes(layout) == []
+    layout.staging(20).mkdir(parents=True)
+    (layout.staging(20) / "__0_0.distcp").write_bytes(b"x" * 2**20)
+    layout.checkpoint(10).mkdir()
+    (layout.checkpoint(10) / "COMPLETE").touch()
+    (notes,) = storage_notes(layout)
+    assert f"{layout.staging(20)} (1.0 MB)" in notes and "delete it" in notes
+
+
+@pytest.mark.launcher_only
+def test_a_rank_that_died_before_it_could_record_comes_before_its_peers(tmp_path: Path) -> None:
+    # Rank 1 died at 100.95 without a failure record (os._exit, or a disk too full for one);
+    # rank 0 lost it and recorded at 100.97; the agent saw rank 1 go in second 101.
+    layout = RunLayout(tmp_path)
+    layout.telemetry_dir.mkdir()
+    layout.failure(0).write_text(json.dumps({"rank": 0, "pid": 10, "failed_at": 100.97}))
+    layout.logs.mkdir()
+    layout.log(1).write_text("dying\n")
+    os.utime(layout.log(1), (100.95, 100.95))
+    failures = {
+        0: SimpleNamespace(exitcode=1, timestamp=101, pid=10),
+        1: SimpleNamespace(exitcode=1, timestamp=101, pid=11),
+    }
+    assert root_cause(failures, tmp_path)[0] == 1

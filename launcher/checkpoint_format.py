@@ -114,10 +114,10 @@ def _data_damage(path: Path, storage: Any) -> str | None:
     return None
 
 
-def _state_damage(path: Path) -> str | None:
-    files = CheckpointFiles(path)
+def meta_damage(path: Path) -> str | None:
+    """What keeps the checkpoint's meta.json from being read; None when it reads."""
     try:
-        meta = json.loads(files.meta.read_text())
+        meta = json.loads(CheckpointFiles(path).meta.read_text())
     except FileNotFoundError:
         return "meta.json is missing"
     except ValueError as exc:
@@ -125,6 +125,15 @@ def _state_damage(path: Path) -> str | None:
     world_size = meta.get("world_size") if isinstance(meta, dict) else None
     if not isinstance(world_size, int) or world_size < 1:
         return "meta.json does not record the world size the checkpoint was saved with"
+    return None
+
+
+def _state_damage(path: Path) -> str | None:
+    files = CheckpointFiles(path)
+    problem = meta_damage(path)
+    if problem is not None:
+        return problem
+    world_size = json.loads(files.meta.read_text())["world_size"]
     for rank in range(world_size):
         try:
             torch.load(files.rank_state(rank), map_location="cpu", weights_only=True)

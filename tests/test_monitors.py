@@ -63,7 +63,7 @@ def _checkpoints(run: Path, steps: list[int], best: list[list[float]]) -> RunLay
         files = CheckpointFiles(layout.checkpoint(step))
         files.path.mkdir(parents=True)
         record = {"monitor": "val/loss", "mode": "min", "kept": best}
-        files.meta.write_text(json.dumps({"best": record}))
+        files.meta.write_text(json.dumps({"best": record, "world_size": 1}))
         files.marker.touch()
     return layout
 

@@ -195,8 +195,9 @@ def _saved_run(tmp_path: Path, **sections) -> tuple[Path, Path]:  # type: ignore
     return spec, run
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize(("devices", "batch"), [(1, 8), (4, 2)])
+@pytest.mark.parametrize(
+    ("devices", "batch"), [pytest.param(1, 8, marks=pytest.mark.smoke), (4, 2)]
+)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_resume_with_another_world_size(
     tmp_path: Path, strategy: str, devices: int, batch: int

@@ -4,6 +4,7 @@ deleted: the user decides what to do with the damaged one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from launcher.checkpoint_format import damage
@@ -11,9 +12,12 @@ from launcher.errors import UsageError
 from launcher.run_layout import RunLayout, run_of
 
 
-def refuse_damaged(checkpoint: Path, what: str = "") -> None:
-    """`what` says what the checkpoint is to the user, when it is not the one they named."""
-    problem = damage(checkpoint)
+def refuse_damaged(
+    checkpoint: Path, what: str = "", check: Callable[[Path], str | None] = damage
+) -> None:
+    """`what` says what the checkpoint is to the user, when it is not the one they named;
+    `check` what must be whole (by default, all of it)."""
+    problem = check(checkpoint)
     if problem is not None:
         raise UsageError(
             f"{what or f'--resume {checkpoint}: this checkpoint'} is damaged: {problem}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from launcher.checkpoint_format import meta_damage
 from launcher.errors import UsageError
 from launcher.launch.checkpoint_check import refuse_damaged
 from launcher.run_layout import RunLayout, checkpoint_in, latest_complete, run_of
@@ -32,8 +33,10 @@ def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
     `name`) or `best` (that run's best checkpoint by `checkpoint.monitor`)."""
     if arg == "best":
         newest = resolve_resume("latest", output_dir, name)
-        # Its meta.json holds the record of the best checkpoints.
-        refuse_damaged(newest, f"--resume best: the newest checkpoint, {newest},")
+        # Its meta.json holds the record of the best checkpoints (the best one itself is
+        # checked whole when the run starts from it).
+        what = f"--resume best: the newest checkpoint, {newest},"
+        refuse_damaged(newest, what, check=meta_damage)
         run = run_of(newest)
         best = RunLayout(run).best() if run else None
         if best is None:

@@ -114,7 +114,7 @@ class Checkpointer:
                     checkpoint_id=staging,
                     storage_writer=file_writer(staging),
                     process_group=self._group,
-                    **({"async_stager": self._stager} if self._stager else {}),
+                    **({"async_stager": self._fresh_stager()} if self._stager else {}),
                 )
                 future = getattr(response, "upload_completion", response)
                 self._staging = getattr(response, "staging_completion", None)
@@ -129,6 +129,16 @@ class Checkpointer:
                 )
             self._publish(staging, self.layout.checkpoint(step), meta)
         self.strategy.barrier()
+
+    def _fresh_stager(self) -> Any:
+        # torch 2.11's DefaultStager closes its inner stager after every staging, clearing
+        # its copy table, and the next save fails (KeyError: <class 'type'>): replace a
+        # spent one (the previous save's staging is over: `wait` ran).
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self._stager.close()
+            self._stager = _background_stager()
+        return self._stager
 
     def load(self, path: Path) -> bool:
         """Collective: restores every state from the checkpoint at `path`. Returns whether this

@@ -111,6 +111,14 @@ class RunLayout:
         """Locked (flock) by the launcher that writes the run; it records its host and pid."""
         return self.root / "launcher.lock"
 
+    def shared_probe(self, token: str) -> Path:
+        """Rank 0's token, read back by every rank at start (the run folder is shared). Named
+        after the token: no node can have cached an earlier answer for this name."""
+        return self.root / f".shared-check-{token}"
+
+    def shared_probe_partial(self, pid: int) -> Path:
+        return self.root / f".shared-check.{pid}"
+
     @property
     def stop_request(self) -> Path:
         return self.root / "stop-request"

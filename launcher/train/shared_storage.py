@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from launcher.errors import UsageError
+from launcher.run_layout import RunLayout
 from launcher.train.strategies.base import Strategy
 
 # A new file may take a moment to appear on another node (attribute caches of NFS, FUSE).
@@ -41,13 +42,12 @@ def check_shared_run_dir(strategy: Strategy, run_dir: Path) -> None:
 
 
 def _probe(run_dir: Path, token: str) -> Path:
-    # Named after the token: no node can have cached an earlier answer for this name.
-    return run_dir / f".shared-check-{token}"
+    return RunLayout(run_dir).shared_probe(token)
 
 
 def _leave_token(run_dir: Path) -> str:
     token = secrets.token_hex(8)
-    partial = run_dir / f".shared-check.{os.getpid()}"
+    partial = RunLayout(run_dir).shared_probe_partial(os.getpid())
     partial.write_text(token)
     partial.replace(_probe(run_dir, token))  # never seen half written
     return token

@@ -16,6 +16,9 @@ This module is the one owner of the layout; no other module joins run-folder pat
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
       nodes/NAME/                a node's (or TPU host's) own files when several share RUN_DIR
       xla_cache/                 XLA's persistent compile cache (TPU)
+      compile_cache/             torch.compile's (inductor's) cache (train.compile)
+      profile/                   torch.profiler traces (train.profile): rank-N.trace.json,
+                                 rank-N.memory.pickle (CUDA memory snapshots)
 """
 
 from __future__ import annotations
@@ -128,6 +131,20 @@ class RunLayout:
         return self.root / "xla_cache"
 
     @property
+    def compile_cache(self) -> Path:
+        return self.root / "compile_cache"
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.root / "profile"
+
+    def profile_trace(self, rank: int) -> Path:
+        return self.profile_dir / f"rank-{rank}.trace.json"
+
+    def memory_snapshot(self, rank: int) -> Path:
+        return self.profile_dir / f"rank-{rank}.memory.pickle"
+
+    @property
     def spec(self) -> Path:
         return self.root / "spec.yaml"
 
@@ -220,7 +237,7 @@ class RunLayout:
         if not self.lock.is_file() or (self.metrics.is_file() and self.metrics.stat().st_size):
             return True
         startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
-        startup += [self.metrics, self.xla_cache, self.node(0).parent]
+        startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
         return any(p not in startup for p in self.root.iterdir())
 

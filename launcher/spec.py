@@ -15,10 +15,10 @@ from launcher.spec_fsdp import FSDPSection
 
 # Sections that need torch to check themselves live apart; the spec re-exports them.
 from launcher.spec_optim import OptimSection
+from launcher.spec_train import Precision, ProfileSection, TrainSection
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
-Precision = Literal["fp32", "bf16", "fp16"]
 Mode = Literal["min", "max"]
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -113,39 +113,6 @@ class DataSection(Section):
     drop_last: bool = Field(
         True, description="Drop the last incomplete batch, so every step has the same shape."
     )
-
-
-class TrainSection(Section):
-    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
-    max_epochs: PositiveInt | None = Field(
-        None, description="Stop after this many passes over the data (whichever limit comes first)."
-    )
-    grad_accum_steps: PositiveInt = Field(
-        1, description="Micro-batches per optimizer step; gradients sync only on the last one."
-    )
-    grad_clip_norm: float | None = Field(
-        None, gt=0, description="Clip the global gradient norm to this value (off when unset)."
-    )
-    precision: Precision = Field(
-        "fp32",
-        description="`fp32`, `bf16` (autocast) or `fp16` (autocast, plus a gradient scaler on GPU).",
-    )
-    log_every: PositiveInt = Field(
-        10, description="Print and record metrics every this many steps."
-    )
-    on_nonfinite: Literal["stop", "skip"] = Field(
-        "stop",
-        description="When the loss or the gradient norm is NaN or infinite: `stop` ends the run "
-        "(exit 1) at the next log line, naming the step, the rank and the newest finite "
-        "checkpoint; `skip` drops that step's update (one host sync per step) and stops after "
-        "10 skips in a row. A checkpoint with non-finite weights is never saved.",
-    )
-
-    @model_validator(mode="after")
-    def _has_a_limit(self) -> TrainSection:
-        if self.max_steps is None and self.max_epochs is None:
-            raise ValueError("set train.max_steps or train.max_epochs (or both)")
-        return self
 
 
 class CheckpointSection(Section):
@@ -276,4 +243,9 @@ class RunSpec(Section):
                 raise ValueError(f"{key}: needs evaluations; set eval.every_n_steps")
         if self.checkpoint.monitor and not self.checkpoint.enabled:
             raise ValueError("checkpoint.monitor: needs checkpoint.enabled: true")
+        if self.train.compile and self.launch.strategy.startswith("xla"):
+            raise ValueError(
+                f"train.compile: not for launch.strategy {self.launch.strategy} (XLA compiles "
+                "every step already); set it to false"
+            )
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,22 @@ def config_reference() -> str:
         model = field.annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
         rows.append(f"| **`{section}`** | | {field.description} |")
-        for key, sub in model.model_fields.items():
-            key = sub.alias or key
-            rows.append(f"| `{section}.{key}` | {_default(sub)} | {sub.description} |")
+        rows += _rows(section, model)
     return "\n".join(rows)
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    """One row per key; a key that holds a section of its own (`train.profile`) is followed
+    by its keys."""
+    rows = []
+    for key, sub in model.model_fields.items():
+        key = f"{prefix}.{sub.alias or key}"
+        rows.append(f"| `{key}` | {_default(sub)} | {sub.description} |")
+        inner = [a for a in typing.get_args(sub.annotation) if isinstance(a, type)]
+        for nested in (sub.annotation, *inner):
+            if isinstance(nested, type) and issubclass(nested, BaseModel):
+                rows += _rows(key, nested)
+    return rows
 
 
 def _default(field: Any) -> str:

@@ -45,6 +45,12 @@ class OptimSection(BaseModel):
     kwargs: dict[str, Any] = Field(
         {}, description="Other keyword arguments of the optimizer, e.g. `{weight_decay: 0.1}`."
     )
+    fused: bool = Field(
+        True,
+        description="On CUDA, the optimizer's fused implementation (one kernel for all "
+        "parameters) where it has one (`AdamW`, `Adam`, `SGD`, ...) and `kwargs` sets neither "
+        "`fused` nor `foreach`; `false`: torch's default.",
+    )
     schedule: Schedule = Field(
         "constant", description="`constant`, or `cosine` decay to `min_lr_ratio * lr`."
     )

@@ -16,6 +16,7 @@ from launcher.train.data import batch_size, build_feed, steps_per_epoch, total_s
 from launcher.train.evaluation import Evaluator
 from launcher.train.metrics_window import MetricsWindow
 from launcher.train.optim import build_optimizer, build_scheduler
+from launcher.train.profiling import StepProfiler
 from launcher.train.recipe import Recipe, WeightInit
 from launcher.train.reporting import Reporter
 from launcher.train.state import ModelState, Progress, TrainState
@@ -77,6 +78,7 @@ class Trainer:
         self.report = Reporter(
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch
         )
+        self.profiler = StepProfiler(spec.train.profile, self.layout, strategy.rank, strategy.device)
         self.checkpointer = checkpoint.Checkpointer(
             strategy,
             run_dir,
@@ -114,7 +116,9 @@ class Trainer:
             left = self.feed.steps_left(spec.train.grad_accum_steps)
             for _ in range(min(left, self.total_steps - progress.step)):
                 started = time.perf_counter()
+                self.profiler.before_step(progress.step + 1)
                 self._step(batches)
+                self.profiler.after_step(progress.step)
                 self.telemetry.step_done(time.perf_counter() - started)
                 self.telemetry.beat(progress.step)
                 stopped = self._after_step()
@@ -174,6 +178,7 @@ class Trainer:
         return self.strategy.from_main(best)  # a save is collective: rank 0 decides
 
     def _finish(self) -> None:
+        self.profiler.close()
         self.checkpointer.close()
         self.strategy.drain()
         self.memory.update(

@@ -249,3 +249,13 @@ class RunSpec(Section):
                 "every step already); set it to false"
             )
         return self
+
+
+__all__ = [
+    "FSDPSection",
+    "OptimSection",
+    "Precision",
+    "ProfileSection",
+    "RunSpec",
+    "TrainSection",
+]

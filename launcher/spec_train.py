@@ -79,5 +79,3 @@ class TrainSection(_Section):
         if self.max_steps is None and self.max_epochs is None:
             raise ValueError("set train.max_steps or train.max_epochs (or both)")
         return self
-
-

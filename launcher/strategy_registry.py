@@ -30,16 +30,24 @@ class StrategyInfo:
     # 100M GPT a fixed threshold cut peak RSS per rank from 2265 to 1285 MB at the same speed
     # (BENCHMARKS.md).
     cpu_env: dict[str, str] = field(default_factory=dict)
+    # The `train` keys its constructor takes as keyword arguments, besides the precision.
+    train_options: tuple[str, ...] = ()
 
 
 STRATEGIES = {
-    "ddp": StrategyInfo("launcher.train.strategies.ddp", "DDPStrategy", ("cpu", "gpu")),
+    "ddp": StrategyInfo(
+        "launcher.train.strategies.ddp",
+        "DDPStrategy",
+        ("cpu", "gpu"),
+        train_options=("compile", "tf32"),
+    ),
     "fsdp": StrategyInfo(
         "launcher.train.strategies.fsdp",
         "FSDPStrategy",
         ("cpu", "gpu"),
         section="fsdp",
         cpu_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
+        train_options=("compile", "tf32"),
     ),
     "xla": StrategyInfo(
         "launcher.train.strategies.xla",

@@ -34,7 +34,7 @@ class WorkerPlan:
     # The checkpoint the run's first attempt resumes from (the resume rule decides for every
     # attempt: `launcher.train.checkpoint.resume_point`).
     resume_from: Path | None = None
-    compile_cache: Path | None = None  # XLA's persistent compile cache: TPUs only
+    compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
 
     def run_spec(self) -> RunSpec:
         from launcher.spec import RunSpec

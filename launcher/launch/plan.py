@@ -68,7 +68,10 @@ class LaunchPlan:
     def _compile_cache(self) -> Path | None:
         """XLA's persistent compile cache: the run folder's, or the user's own
         XLA_PERSISTENT_CACHE_PATH. TPUs only: XLA's CPU client cannot load the executables
-        it serialises."""
+        it serialises. Under `train.compile`, inductor's cache: the run folder's, or the
+        user's own TORCHINDUCTOR_CACHE_DIR."""
+        if self.spec.train.compile:
+            return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or self.layout.compile_cache)
         on_tpu = self.accelerator == "tpu" and xla_device_type() == "TPU"
         if not (on_tpu and self.spec.xla.compile_cache):
             return None

@@ -88,7 +88,7 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._staging: Any = None  # the background copy of the state, while it runs
         self._group = strategy.checkpoint_group() if use_async else None
-        self._stager = _background_stager() if use_async else None
+        self._stager = _background_stager(strategy.device.type) if use_async else None
 
     def save(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp  # 0.5 s of imports: not on the way to step 1
@@ -137,7 +137,7 @@ class Checkpointer:
         inner = getattr(self._stager, "_state_dict_stager", None)
         if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
             self._stager.close()
-            self._stager = _background_stager()
+            self._stager = _background_stager(self.strategy.device.type)
         return self._stager
 
     def load(self, path: Path) -> bool:
@@ -258,19 +258,21 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
-def _background_stager() -> Any:
+def _background_stager(device_type: str) -> Any:
     """A stager that copies the state to memory in a thread of its own, reusing its buffers
-    from one save to the next; None where this torch has none (the copy then blocks)."""
+    from one save to the next (from a GPU: pinned, non-blocking copies, at the link's full
+    speed); None where this torch has none (the copy then blocks)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
+    cuda = device_type == "cuda"
     return DefaultStager(
         StagingOptions(
-            use_pinned_memory=False,
+            use_pinned_memory=cuda,
             use_shared_memory=False,
             use_async_staging=True,
-            use_non_blocking_copy=False,
+            use_non_blocking_copy=cuda,
         )
     )
 

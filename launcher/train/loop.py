@@ -19,6 +19,7 @@ from launcher.train.optim import build_optimizer, build_scheduler
 from launcher.train.profiling import StepProfiler
 from launcher.train.recipe import Recipe, WeightInit
 from launcher.train.reporting import Reporter
+from launcher.train.resume import restart_note, restore
 from launcher.train.state import ModelState, Progress, TrainState
 from launcher.train.strategies import Strategy
 
@@ -43,13 +44,7 @@ class Trainer:
         strategy.seed(spec.run.seed)
         self.resume_from = checkpoint.resume_point(run_dir, resume_from, strategy)
         if attempt:
-            where = "no checkpoint yet: starting over"
-            if self.resume_from:
-                where = f"resuming from {self.resume_from}"
-            limit = spec.launch.max_restarts + 1
-            print(
-                f"attempt {attempt + 1} of {limit}: restarted after a failure; {where}", flush=True
-            )
+            print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
         rss_before_build = memory.rss_bytes()
         self.model = strategy.build_model(
             lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
@@ -70,7 +65,7 @@ class Trainer:
         self.steps_per_epoch = per_epoch and steps_per_epoch(per_epoch, accum)
         self.total_steps = total_steps(spec.train, self.steps_per_epoch)
         self.optimizer = build_optimizer(
-            spec.optim, self.model.parameters(), strategy.optimizer_defaults()
+            spec.optim, self.model.parameters(), strategy.optimizer_defaults(), strategy.device.type
         )
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
         self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed)
@@ -78,7 +73,9 @@ class Trainer:
         self.report = Reporter(
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch
         )
-        self.profiler = StepProfiler(spec.train.profile, self.layout, strategy.rank, strategy.device)
+        self.profiler = StepProfiler(
+            spec.train.profile, self.layout, strategy.rank, strategy.device
+        )
         self.checkpointer = checkpoint.Checkpointer(
             strategy,
             run_dir,
@@ -94,7 +91,7 @@ class Trainer:
 
     def fit(self) -> None:
         if self.resume_from is not None:
-            self._restore(self.resume_from)
+            restore(self.resume_from, self.checkpointer, self.state, self.strategy, self.spec)
         self.telemetry.beat(self.progress.step)
         resumed = self.progress.step if self.resume_from else None
         self.report.introduce(self.model, self.feed.samples, resumed)
@@ -279,25 +276,6 @@ class Trainer:
         under way (all of finite weights) are published first."""
         self.checkpointer.close()
         raise self.state.nonfinite.failure(self.layout.latest_complete())
-
-    def _restore(self, path: Path) -> None:
-        same_world = self.checkpointer.load(path)
-        for note in self.state.notes:
-            self._say(note)
-        if self.state.best is not None:
-            # Best checkpoints are of this run folder (a branch starts its own record).
-            note = self.state.best.retain(self.layout.complete_steps())
-            if note:
-                self._say(note)
-        if same_world:
-            return
-        # Saved with another world size: per-rank streams cannot continue; reseed them.
-        self.strategy.seed(self.spec.run.seed + self.progress.step + self.strategy.rank)
-        self._say(
-            f"resuming with {self.strategy.world_size} replicas instead of "
-            f"{checkpoint.read_meta(path)['world_size']}: model, optimizer and data position "
-            "continue; random streams are reseeded"
-        )
 
     def _say(self, text: str, every_rank: bool = False) -> None:
         self.report.say(text, every_rank)

@@ -12,13 +12,14 @@ from launcher.train.strategies.base import Strategy
 
 
 def build_strategy(spec: RunSpec, accelerator: str, compile_cache: Path | None = None) -> Strategy:
-    """The spec's strategy; `compile_cache` is where the launcher enabled XLA's persistent
-    compile cache (on TPUs only, so only the XLA strategies are ever handed one)."""
+    """The spec's strategy; `compile_cache` is the compile cache the plan chose: XLA's
+    persistent cache on TPUs, inductor's under `train.compile`."""
     info = strategy_info(spec.launch.strategy)
     options = (getattr(spec, info.section),) if info.section else ()
     cache = {"compile_cache": compile_cache} if compile_cache else {}
+    train = {key: getattr(spec.train, key) for key in info.train_options}
     return getattr(importlib.import_module(info.module), info.cls)(
-        accelerator, spec.train.precision, *options, **cache
+        accelerator, spec.train.precision, *options, **train, **cache
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from launcher.spec import FSDPSection
 from launcher.train.memory import local_bytes
@@ -38,8 +38,10 @@ from launcher.train.strategies.torch_distributed import TorchDistributedStrategy
 class FSDPStrategy(TorchDistributedStrategy):
     name = "fsdp"
 
-    def __init__(self, accelerator: str, precision: str, options: FSDPSection) -> None:
-        super().__init__(accelerator, precision)
+    def __init__(
+        self, accelerator: str, precision: str, options: FSDPSection, **train: Any
+    ) -> None:
+        super().__init__(accelerator, precision, **train)
         self.options = options
         self.cpu_collectives = options.cpu_offload
         # DTensor warns once per process that a CPU mesh has no RNG state of its own. The
@@ -50,9 +52,15 @@ class FSDPStrategy(TorchDistributedStrategy):
         )
 
     def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
+        if self.world_size == 1 and not self._needs_fsdp_alone():
+            self.say(
+                "fsdp: 1 process, nothing to shard: the model runs unwrapped, as ddp's does "
+                "(fsdp.cpu_offload or fsdp.param_dtype keep FSDP)"
+            )
+            return self._plain(init.build(factory))
         with torch.device("meta"):
             model = factory()
-        self._say(shard_units(model, self.options.wrap).describe(model))
+        self.say(shard_units(model, self.options.wrap).describe(model))
         full_bytes = local_bytes(itertools.chain(model.parameters(), model.buffers()))
         choice, exact, name = self.options.init, init.exact(model), type(model).__name__
         if choice == "cpu" or (choice == "auto" and exact is None):
@@ -65,13 +73,13 @@ class FSDPStrategy(TorchDistributedStrategy):
             )
             return self._build_on_cpu(factory, init, full_bytes, why)
         if exact is None:
-            self._say(
+            self.say(
                 f"fsdp.init: meta: {name} has no explicit initialisation, so each module's "
                 "reset_parameters() initialises its shards: not proven equal to a plain build "
                 "(ddp), whose constructors may draw otherwise; fsdp.init: cpu builds it exactly"
             )
         else:
-            self._say(f"fsdp.init: {choice}: {exact} initialises each rank's shards (meta device)")
+            self.say(f"fsdp.init: {choice}: {exact} initialises each rank's shards (meta device)")
         try:
             return self._materialise(model, init)
         except UnsetByInit as unset:
@@ -92,7 +100,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         self, factory: Callable[[], nn.Module], init: WeightInit, full_bytes: int, why: str
     ) -> nn.Module:
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torch.distributed's own
-        self._say(
+        self.say(
             f"{why}: every process builds the whole model on CPU as ddp does, then shards it: "
             f"{_size(full_bytes)} of host memory per process, {_size(full_bytes * processes)} "
             f"for the {processes} on this machine"
@@ -101,9 +109,24 @@ class FSDPStrategy(TorchDistributedStrategy):
         # go back to CPU), so the device never holds more than one whole unit.
         return self.wrap_model(init.build(factory))
 
-    def _say(self, text: str) -> None:
-        if self.is_main:
-            print(text, flush=True)
+    def _needs_fsdp_alone(self) -> bool:
+        """What only FSDP does, even for one process: offloading, and gathering parameters
+        in another dtype."""
+        return self.options.cpu_offload or self.options.param_dtype is not None
+
+    def _plain(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        units = shard_units(model, self.options.wrap).modules
+        self._checkpoint_activations(units)
+        self.compile_units(model, units)
+        return model
+
+    def _checkpoint_activations(self, units: list[nn.Module]) -> None:
+        if self.options.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for unit in units:
+                checkpoint(unit)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         units = shard_units(model, self.options.wrap).modules
@@ -119,11 +142,9 @@ class FSDPStrategy(TorchDistributedStrategy):
         }
         if self.options.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        self._checkpoint_activations(units)
+        self.compile_units(model, units)
         for unit in units:
-            if self.options.activation_checkpointing:
-                from torch.distributed._composable import checkpoint
-
-                checkpoint(unit)
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         return model
@@ -131,7 +152,8 @@ class FSDPStrategy(TorchDistributedStrategy):
     def sync_gradients(
         self, model: nn.Module, sync: bool
     ) -> contextlib.AbstractContextManager[Any]:
-        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.train.precision import MixedPrecision
+from launcher.train.strategies import regional_compile
 from launcher.train.strategies.base import Strategy, gradient_norm
 
 
@@ -19,9 +22,21 @@ class TorchDistributedStrategy(Strategy):
     # Set where GPU runs also need collectives on CPU tensors (e.g. offloaded shards).
     cpu_collectives = False
 
-    def __init__(self, accelerator: str, precision: str) -> None:
+    def __init__(
+        self,
+        accelerator: str,
+        precision: str,
+        *,
+        compile: bool = False,  # train.compile
+        tf32: bool = True,  # train.tf32
+        compile_cache: Path | None = None,  # inductor's cache: the run folder's
+    ) -> None:
         self.accelerator = accelerator
         self.precision_name = precision
+        self.compile, self.tf32 = compile, tf32
+        self.guard = regional_compile.compile_guard() if compile else None
+        if compile:
+            regional_compile.use_cache(compile_cache)
 
     def setup(self) -> None:
         # torch.distributed's launcher defines these; nothing else passes between the layers.
@@ -31,6 +46,9 @@ class TorchDistributedStrategy(Strategy):
         if self.accelerator == "gpu":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
+            # fp32 matmuls on tensor cores (TF32): what every peer's fast path does.
+            torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+            torch.backends.cudnn.allow_tf32 = self.tf32
             backend = "cpu:gloo,cuda:nccl" if self.cpu_collectives else "nccl"
         else:
             self.device = torch.device("cpu")
@@ -44,6 +62,35 @@ class TorchDistributedStrategy(Strategy):
         self.precision = MixedPrecision(self.precision_name, self.device.type)
         # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
         self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def compile_units(self, model: nn.Module, units: list[nn.Module]) -> None:
+        """`train.compile`: compiles `units` (the model's repeated blocks) in place, or the
+        whole model where there are none. Call after activation checkpointing and before
+        the model is distributed, so that DDP's and FSDP's hooks stay outside the graphs."""
+        if self.compile:
+            self.say(regional_compile.compile_regions(model, units))
+
+    def on_step_end(self, step: int) -> None:
+        if self.guard is not None:
+            self.guard.after_step(step)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        if self.guard is not None:
+            self.guard.absorb()
+        yield
+        if self.guard is not None:
+            self.guard.after_phase(name, step)
+
+    def summary(self) -> dict[str, Any]:
+        if self.guard is None:
+            return {}
+        return {**self.guard.summary("dynamo"), "compile_cache": regional_compile.cache_use()}
+
+    def say(self, text: str) -> None:
+        """One line from rank 0."""
+        if self.is_main:
+            print(text, flush=True)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return self.precision.autocast()

@@ -9,7 +9,6 @@ compiles after warm-up is almost always a bug (a changing shape or Python value)
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,89 +20,20 @@ import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
 from torch import nn
 
-from launcher.errors import RunError
 from launcher.spec import XLASection
+from launcher.train.compile_guard import CompileGuard
 from launcher.train.precision import MixedPrecision
 from launcher.train.strategies.base import Strategy
 
 
-class CompileGuard:
-    """Counts XLA compilations and flags those after warm-up, naming the step."""
+def xla_compilations() -> int:
+    # A graph loaded from the persistent cache skips the compiler, yet is as new a graph.
+    return _metric_count("CompileTime") + (met.counter_value("PersistentCacheHit") or 0)
 
-    def __init__(self, warmup_steps: int | None, strict: bool) -> None:
-        self.warmup_steps = warmup_steps
-        self.strict = strict
-        self.steps_run = 0  # by this process: a resumed run warms up again
-        self.reads: list[int] = []  # steps run when the loop read metrics, the first two
-        self.seen = 0
-        self.after_warmup = 0
-        self.by_phase: dict[str, list[int]] = {}  # phase: compilations at its first run, later
-        self.expect_until = 0  # a phase's first run changes the graph of the step after it
 
-    def reading(self) -> None:
-        if len(self.reads) < 2:
-            self.reads.append(self.steps_run)
-
-    def warming_up(self) -> bool:
-        if self.warmup_steps is not None:
-            return self.steps_run <= self.warmup_steps
-        # The first step, the first logged metrics and the step after them (whose metrics
-        # window starts anew) each trace a graph of their own; so does the step after the
-        # second log line in a resumed run, whose first window was restored from disk.
-        return len(self.reads) < 2 or self.steps_run <= self.reads[1] + 1
-
-    @staticmethod
-    def compilations() -> int:
-        # A graph loaded from the persistent cache skips the compiler, yet is as new a graph.
-        return _metric_count("CompileTime") + (met.counter_value("PersistentCacheHit") or 0)
-
-    @staticmethod
-    def compile_seconds() -> float:
-        data = met.metric_data("CompileTime")
-        return data[1] / 1e9 if data else 0.0
-
-    def after_step(self, step: int) -> None:
-        self.steps_run += 1
-        now = self.compilations()
-        new, self.seen = now - self.seen, now
-        if new and not self.warming_up() and self.steps_run > self.expect_until:
-            self._unexpected(new, f"step {step}", "in the step")
-
-    def absorb(self) -> None:
-        """Counts what compiled since the last check as expected."""
-        self.seen = self.compilations()
-
-    def after_phase(self, name: str, step: int) -> None:
-        """After an evaluation or a save: its graphs are compiled the first time it runs."""
-        now = self.compilations()
-        new, self.seen = now - self.seen, now
-        counts = self.by_phase.get(name)
-        if counts is None:
-            self.by_phase[name] = [new, 0]
-            self.expect_until = self.steps_run + 1
-        elif new:
-            counts[1] += new
-            self._unexpected(new, f"{name} at step {step}", f"in the {name}")
-
-    def _unexpected(self, new: int, where: str, inside: str) -> None:
-        self.after_warmup += new
-        message = (
-            f"{where}: XLA compiled {new} new graph{'s' if new > 1 else ''} after warm-up. "
-            f"A shape or a Python value {inside} changed, and each change costs a full "
-            "compile (README: 'Recompilations')."
-        )
-        if self.strict:
-            raise RunError(message, hint="Or drop --strict-compile / xla.strict_compile.")
-        print(f"WARNING: {message}", file=sys.stderr, flush=True)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "xla_compilations": self.compilations(),
-            "xla_compile_s": round(self.compile_seconds(), 2),
-            "xla_compilations_after_warmup": self.after_warmup,
-            # Not shown on the last line (it names only numbers): summary.json alone.
-            "xla_phase_compilations": self.by_phase,
-        }
+def xla_compile_seconds() -> float:
+    data = met.metric_data("CompileTime")
+    return data[1] / 1e9 if data else 0.0
 
 
 def _metric_count(name: str) -> int:
@@ -123,7 +53,7 @@ class XLAStrategyBase(Strategy):
         self.compile_cache = compile_cache
         self.precision = MixedPrecision(precision, "xla")
         self.options = options
-        self.guard = CompileGuard(options.warmup_steps, options.strict_compile)
+        self.guard = CompileGuard(xla_compilations, options.warmup_steps, options.strict_compile)
 
     def start_runtime(self, writes_cache: bool) -> None:
         """Before any XLA computation: the persistent compile cache (where the plan enables it),
@@ -208,7 +138,9 @@ class XLAStrategyBase(Strategy):
         )
 
     def summary(self) -> dict[str, Any]:
-        return self.guard.summary()
+        counts = self.guard.summary("xla")
+        seconds = round(xla_compile_seconds(), 2)
+        return {"xla_compilations": counts["xla_compilations"], "xla_compile_s": seconds, **counts}
 
     def teardown(self) -> None:
         import torch.distributed as dist

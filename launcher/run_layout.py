@@ -17,7 +17,7 @@ This module is the one owner of the layout; no other module joins run-folder pat
       nodes/NAME/                a node's (or TPU host's) own files when several share RUN_DIR
       xla_cache/                 XLA's persistent compile cache (TPU)
       compile_cache/             torch.compile's (inductor's) cache (train.compile)
-      profile/                   torch.profiler traces (train.profile): rank-N.trace.json,
+      profile/                   torch.profiler traces (train.profile): rank-N.pt.trace.json,
                                  rank-N.memory.pickle (CUDA memory snapshots)
 """
 
@@ -139,7 +139,8 @@ class RunLayout:
         return self.root / "profile"
 
     def profile_trace(self, rank: int) -> Path:
-        return self.profile_dir / f"rank-{rank}.trace.json"
+        # TensorBoard's profiler plugin (torch-tb-profiler) reads `*.pt.trace.json`.
+        return self.profile_dir / f"rank-{rank}.pt.trace.json"
 
     def memory_snapshot(self, rank: int) -> Path:
         return self.profile_dir / f"rank-{rank}.memory.pickle"

@@ -14,6 +14,7 @@ from launcher.telemetry import Telemetry
 from launcher.train import checkpoint, memory
 from launcher.train.data import batch_size, build_feed, steps_per_epoch, total_steps
 from launcher.train.evaluation import Evaluator
+from launcher.train.flops import Speed
 from launcher.train.metrics_window import MetricsWindow
 from launcher.train.optim import build_optimizer, build_scheduler
 from launcher.train.profiling import StepProfiler
@@ -46,9 +47,8 @@ class Trainer:
         if attempt:
             print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
         rss_before_build = memory.rss_bytes()
-        self.model = strategy.build_model(
-            lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
-        )
+        self.factory = lambda: recipe.build_model(**spec.recipe.model)
+        self.model = strategy.build_model(self.factory, WeightInit(recipe, spec.run.seed))
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         self.feed = build_feed(
             recipe.build_dataset("train", **spec.recipe.dataset),
@@ -70,8 +70,10 @@ class Trainer:
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
         self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed)
         self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
+        micro_batches = accum / strategy.devices_per_process  # per step and device
+        self.speed = Speed(strategy.device, spec.train.precision, spec.train.tf32, micro_batches)
         self.report = Reporter(
-            spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch
+            spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
         )
         self.profiler = StepProfiler(
             spec.train.profile, self.layout, strategy.rank, strategy.device
@@ -199,6 +201,8 @@ class Trainer:
         samples = 0
         for i in range(accum):
             batch = next(batches)
+            if not self.speed.counted:  # the first micro-batch of this process
+                self._say(self.speed.count(self.recipe, self.factory, batch) or "")
             samples += batch_size(batch)
             with self.strategy.sync_gradients(self.model, sync=i == accum - 1):
                 with self.strategy.autocast():

@@ -4,6 +4,7 @@ for the live table (files: `launcher.telemetry`)."""
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from launcher.run_layout import Best
 from launcher.spec import RunSpec
 from launcher.telemetry import Telemetry
+from launcher.train.flops import Speed, describe
 from launcher.train.metrics_window import MetricsWindow
 from launcher.train.strategies import Strategy
 
@@ -25,8 +27,9 @@ class Reporter:
         telemetry: Telemetry,
         total_steps: int,
         steps_per_epoch: int | None,  # None: a stream
+        speed: Speed,
     ) -> None:
-        self.spec, self.strategy, self.telemetry = spec, strategy, telemetry
+        self.spec, self.strategy, self.telemetry, self.speed = spec, strategy, telemetry, speed
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.last_loss: float | None = None
         self.last_val: float | None = None  # the table's `val` column
@@ -59,7 +62,7 @@ class Reporter:
         )
 
     def say(self, text: str, every_rank: bool = False) -> None:
-        if every_rank or self.strategy.is_main:
+        if text and (every_rank or self.strategy.is_main):
             print(text, flush=True)
 
     def log(
@@ -96,15 +99,18 @@ class Reporter:
         rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
         total = self.total_steps
         self.last_loss = mean["loss"]
+        speed = self.speed.fields(per_step)  # this rank's: the table shows each rank's own
         self.telemetry.status(
-            step=step, max_steps=total, loss=own_loss, samples_per_s=rate, val=self.last_val
-        )
+            step=step, max_steps=total, loss=own_loss, samples_per_s=rate, val=self.last_val,
+            **speed,
+        )  # fmt: skip
         rate *= self.strategy.replicas
-        self.telemetry.metrics(step=step, epoch=epoch, lr=lr, samples_per_s=rate, **mean)
+        self.telemetry.metrics(step=step, epoch=epoch, lr=lr, samples_per_s=rate, **mean, **speed)
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self.say(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
             f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
+            + describe(speed)
         )
 
     def evaluation(self, step: int, epoch: int, metrics: dict[str, float], seconds: float) -> None:
@@ -123,8 +129,14 @@ class Reporter:
         skipped: int,
         last: Path | None,
     ) -> None:
-        """summary.json and the last line."""
+        """summary.json and the last line. Collective on GPUs (each rank's peak memory)."""
+        times = self.telemetry.step_times
+        speed = self.speed.summary(statistics.median(times) if times else None)
+        if self.strategy.device.type == "cuda":
+            memory_now = self.speed.fields(0.0)  # memory only: no step time
+            speed["device_memory"] = self.strategy.gather(memory_now)
         self.telemetry.write_summary(
+            **speed,
             final_loss=self.last_loss,
             world_size=self.strategy.world_size,
             replicas=self.strategy.replicas,

@@ -18,7 +18,17 @@ from rich.text import Text
 from launcher.launch.display.lines import rank_style
 from launcher.launch.ranks import format_ranks
 
-FIELDS = ("step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt")
+FIELDS = (
+    "step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt",
+    "tflops_per_device", "mfu", "max_memory_allocated_gib",
+)  # fmt: skip
+# Columns shown only once some rank reports them: (field, header, format).
+OPTIONAL = (
+    ("val", "val", "{:.4g}"),
+    ("tflops_per_device", "TFLOP/s", "{:.3g}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("max_memory_allocated_gib", "mem GiB", "{:.1f}"),
+)
 # Beyond this many ranks the rest share one summary row, so the region stays small.
 MAX_ROWS = 16
 
@@ -62,19 +72,20 @@ class TelemetryBoard:
 
     def _table(self) -> Table:
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
-        # The evaluation's column only once a rank has evaluated.
-        val = any("val" in record for record in self._latest.values())
-        for name in ("rank", "step", "loss", *(["val"] if val else []), "samples/s", "elapsed"):
+        # The evaluation's column only once a rank has evaluated; speed and memory likewise.
+        extra = [c for c in OPTIONAL if any(c[0] in r for r in self._latest.values())]
+        headers = ("rank", "step", "loss", *(c[1] for c in extra), "samples/s", "elapsed")
+        for name in headers:
             table.add_column(name, justify="right", no_wrap=True)
         ranks = sorted(self._latest)
         shown = ranks if len(ranks) <= MAX_ROWS else ranks[: MAX_ROWS - 1]
         for rank in shown:
-            cells = _cells(self._latest[rank], val)
+            cells = _cells(self._latest[rank], extra)
             table.add_row(Text(str(rank), style=rank_style(rank)), *cells)
         rest = ranks[len(shown) :]
         if rest:
             summary = _summarize([self._latest[rank] for rank in rest])
-            table.add_row(Text(format_ranks(rest), style="dim"), *_cells(summary, val))
+            table.add_row(Text(format_ranks(rest), style="dim"), *_cells(summary, extra))
         return table
 
 
@@ -88,6 +99,9 @@ def _summarize(records: list[dict[str, float]]) -> dict[str, float]:
         ("val", fmean),
         ("samples_per_s", fmean),
         ("elapsed_s", max),
+        ("tflops_per_device", fmean),
+        ("mfu", fmean),
+        ("max_memory_allocated_gib", max),
     ):
         values = [record[key] for record in records if key in record]
         if values:
@@ -95,15 +109,15 @@ def _summarize(records: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-def _cells(record: dict[str, float], val: bool = False) -> list[str]:
+def _cells(record: dict[str, float], extra: Sequence[tuple[str, str, str]] = ()) -> list[str]:
     step = _number(record.get("step"), "{:.0f}")
     if "max_steps" in record and "step" in record:
         step += f"/{record['max_steps']:.0f}"
     loss = _number(record.get("loss"), "{:.4g}")
     rate = record.get("samples_per_s")
     rate_text = _number(rate, "{:,.0f}" if rate is not None and rate >= 100 else "{:.1f}")
-    evaluated = [_number(record.get("val"), "{:.4g}")] if val else []
-    return [step, loss, *evaluated, rate_text, format_elapsed(record.get("elapsed_s"))]
+    optional = [_number(record.get(field), spec) for field, _, spec in extra]
+    return [step, loss, *optional, rate_text, format_elapsed(record.get("elapsed_s"))]
 
 
 def _number(value: float | None, spec: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -167,6 +168,12 @@ def tiny_gpt(max_bytes: int) -> dict:
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1},
         "dataset": {"block_size": 16, "max_bytes": max_bytes},
     }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def only_run_dir(runs: Path) -> Path:

@@ -7,7 +7,6 @@ through a communication hook.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from launcher.spec import RunSpec
 from launcher.train.loop import Trainer
 from launcher.train.recipe import load_recipe
 from launcher.train.strategies.ddp import DDPStrategy
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 STEPS, ACCUM = 3, 4
 
@@ -63,18 +62,12 @@ def _worker(rank: int, port: int, run_dir: str, accum: int) -> None:
         raise AssertionError(f"rank {rank}: {CountingDDP.calls} all-reduces for {STEPS} steps")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("accum", [1, ACCUM])
 def test_one_all_reduce_per_optimizer_step(tmp_path: Path, accum: int) -> None:
     ctx = mp.start_processes(
         _worker,
-        args=(_free_port(), str(tmp_path), accum),
+        args=(free_port(), str(tmp_path), accum),
         nprocs=2,
         join=False,
         start_method="spawn",

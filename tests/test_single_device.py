@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_train, tiny_gpt, write_spec
+from tests.conftest import REPO, free_port, run_train, tiny_gpt, write_spec
 from tests.test_resume import _assert_bitwise, _weights
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,12 +40,6 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_wrapped(plan_of: Path, run_dir: Path) -> None:
     plan = json.loads((plan_of / "worker-plan.json").read_text())
     plan["run_dir"] = str(run_dir)
@@ -55,7 +48,7 @@ def _run_wrapped(plan_of: Path, run_dir: Path) -> None:
     env = {
         **os.environ,
         **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
-        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())},
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
     }
     plan_file = str(run_dir / "worker-plan.json")
     result = subprocess.run(

@@ -202,7 +202,12 @@ class Strategy(ABC):
 def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """The global norm of the gradients, clipping them to `max_norm` when it is set. Sharded
     gradients (DTensors) give their global norm, the same on every rank."""
+    from launcher.train.strategies.grad_norm import sharded_norm
+
     params = [p for p in model.parameters() if p.grad is not None]
+    sharded = sharded_norm([p.grad for p in params], max_norm)  # type: ignore[misc]
+    if sharded is not None:
+        return sharded
     if max_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:

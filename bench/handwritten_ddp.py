@@ -1,7 +1,9 @@
 """The hand-written torchrun DDP baseline that the launcher is benchmarked against.
 
 This is what a careful user writes without a launcher: the same recipe (recipes/gpt.py),
-plain DDP over gloo, a DistributedSampler, AdamW, and nothing else in the loop.
+plain DDP over gloo, a DistributedSampler, AdamW, and nothing else in the loop. With `--fsdp`,
+FSDP2 instead (`fully_shard` on each Block, then the root), and with `--clip`, torch's
+`clip_grad_norm_` before each step (bench/fsdp_overhead.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/handwritten_ddp.py \\
         --steps 50 --out /tmp/handwritten.json
@@ -40,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--max-bytes", type=int, default=gpt.DEFAULT_MAX_BYTES)
+    parser.add_argument("--fsdp", action="store_true", help="fully_shard instead of DDP")
+    parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -53,7 +57,14 @@ def main() -> None:
     model = gpt.build_model(
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
     )
-    model = DDP(model)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = DDP(model)
     dataset = gpt.build_dataset("train", block_size=args.block_size, max_bytes=args.max_bytes)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(
@@ -77,6 +88,8 @@ def main() -> None:
             batch = next(batches)
         loss = gpt.loss(model, batch)
         loss.backward()
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         step_times.append(time.perf_counter() - start)
         if first_step_end_unix is None:

@@ -3,7 +3,9 @@
 This is what a careful user writes without a launcher: the same recipe (recipes/gpt.py),
 plain DDP over gloo, a DistributedSampler, AdamW, and nothing else in the loop. With `--fsdp`,
 FSDP2 instead (`fully_shard` on each Block, then the root), and with `--clip`, torch's
-`clip_grad_norm_` before each step (bench/fsdp_overhead.py).
+`clip_grad_norm_` before each step (the fsdp benchmark). On a GPU (`--device cuda`, nccl):
+`--precision bf16` autocast, `--no-ddp` for a plain model, `--compile` (torch.compile of the
+model) and `--fused` AdamW, the fastest loop a user writes by hand (bench/gpu_bench.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/handwritten_ddp.py \\
         --steps 50 --out /tmp/handwritten.json
@@ -44,33 +46,55 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-bytes", type=int, default=gpt.DEFAULT_MAX_BYTES)
     parser.add_argument("--fsdp", action="store_true", help="fully_shard instead of DDP")
     parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--param-dtype", choices=["bf16"], default=None, help="fsdp's")
+    parser.add_argument("--no-ddp", action="store_true", help="one process, no wrapper")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--fused", action="store_true", help="fused AdamW")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
 
     model = gpt.build_model(
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
-    )
+    ).to(device)
+    if args.compile:
+        model.compile()
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        dtype = torch.bfloat16 if args.param_dtype else None
+        policy = MixedPrecisionPolicy(param_dtype=dtype)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-    else:
-        model = DDP(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    elif not args.no_ddp:
+        model = DDP(model, device_ids=[device.index] if cuda else None)
     dataset = gpt.build_dataset("train", block_size=args.block_size, max_bytes=args.max_bytes)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(
-        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0, drop_last=True
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=0,
+        drop_last=True,
+        pin_memory=cuda,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    fused = {"fused": True} if args.fused else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, **fused)
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
     epoch = 0
     sampler.set_epoch(epoch)
@@ -86,7 +110,9 @@ def main() -> None:
             sampler.set_epoch(epoch)
             batches = iter(loader)
             batch = next(batches)
-        loss = gpt.loss(model, batch)
+        batch = [t.to(device, non_blocking=cuda) for t in batch]
+        with autocast:
+            loss = gpt.loss(model, batch)
         loss.backward()
         if args.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -101,6 +127,11 @@ def main() -> None:
             "steps_run": len(step_times),
             "first_step_end_unix": first_step_end_unix,
             "step_times_s": step_times,
+            **(
+                {"max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+                if cuda
+                else {}
+            ),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary))

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from launcher.train.flops import count_flops, describe, peak_flops
-from launcher.train.recipe import Recipe, load_recipe
+from launcher.train.recipe import load_recipe
 from tests.conftest import REPO, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,7 +22,7 @@ def test_the_gpt_count_is_the_transformer_formula() -> None:
     n_layer, width, vocab, batch, length = 2, 64, 256, 4, 64
     model = {"n_layer": n_layer, "n_head": 2, "n_embd": width, "block_size": length}
     tokens = torch.zeros(batch, length, dtype=torch.long)
-    counted = count_flops(recipe, lambda: recipe.module.build_model(**model), (tokens, tokens))
+    counted = count_flops(recipe, model, (tokens, tokens))
     # 6 FLOPs per matmul weight per token (forward 2, backward 4): a block's 12 C^2 weights
     # (qkv 3, proj 1, mlp 4 + 4) and the lm_head; embeddings are lookups, not matmuls. Plus
     # attention's QK^T and AV, 4 B L^2 C per layer forward, twice that backward (counted
@@ -37,34 +36,64 @@ def test_the_mlp_count_is_its_matmuls_exactly() -> None:
     recipe = load_recipe(str(REPO / "recipes" / "mlp.py"))
     n, sizes = 8, [(16, 64), (64, 64), (64, 1)]
     batch = (torch.zeros(n, 16), torch.zeros(n, 1))
-    counted = count_flops(recipe, recipe.module.build_model, batch)
+    counted = count_flops(recipe, {}, batch)
     forward = sum(2 * n * a * b for a, b in sizes)
     # Backward: every weight's gradient, and every input's but the data's (it needs none).
     backward = forward + sum(2 * n * a * b for a, b in sizes[1:])
     assert counted == forward + backward
 
 
-class _Reads(nn.Module):
-    def __init__(self) -> None:
+COUNTING_RECIPE = """
+import torch
+from torch import nn
+
+calls = 0
+
+
+class Reads(nn.Module):
+    def __init__(self, read):
         super().__init__()
-        self.layer = nn.Linear(4, 1)
+        self.layer, self.read = nn.Linear(4, 1), read
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layer(x).sum().item() > 0:  # a value read on the host: no meta tensor has one
-            return self.layer(x)
-        return -self.layer(x)
+    def forward(self, x):
+        if self.read and self.layer(x).sum().item() > 0:  # no meta tensor has a value
+            return -self.layer(x)
+        return self.layer(x)
 
 
-def test_a_model_that_reads_values_is_not_counted_and_says_why() -> None:
-    from types import SimpleNamespace
+def build_model(read=False):
+    return Reads(read)
 
+
+def build_dataset(split):
+    return torch.utils.data.TensorDataset(torch.zeros(8, 4))
+
+
+def loss(model, batch):
+    global calls
+    calls += 1
+    return model(batch).mean()
+"""
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_counting_leaves_the_recipes_state_alone(tmp_path: Path, read: bool) -> None:
+    """The count runs a fresh copy of the recipe's module: the training's recipe sees no
+    extra call of its loss (a recipe may count its calls); one that reads values on the host
+    is not counted, and says why."""
     from launcher.train.flops import Speed
 
-    module = SimpleNamespace(loss=lambda model, batch: model(batch).mean())
+    (tmp_path / "counting.py").write_text(COUNTING_RECIPE)
+    recipe = load_recipe(str(tmp_path / "counting.py"))
     speed = Speed(torch.device("cpu"), "fp32", True, 1)
-    note = speed.count(Recipe("reads.py", module), _Reads, torch.zeros(2, 4))  # type: ignore[arg-type]
-    assert note is not None and note.startswith("FLOPs not counted"), note
-    assert speed.per_step is None and speed.fields(0.1) == {}
+    note = speed.count(recipe, {"read": read}, torch.zeros(2, 4))
+    assert recipe.module.calls == 0
+    if read:
+        assert note is not None and note.startswith("FLOPs not counted"), note
+        assert speed.per_step is None and speed.fields(0.1) == {}
+    else:
+        assert note is None and speed.per_step == 2 * 2 * 4 * 2  # forward and weight grad
+    assert speed.count(recipe, {}, torch.zeros(2, 4)) is None  # once per process
 
 
 def test_the_peak_table() -> None:

@@ -11,11 +11,9 @@ real step would not do: a compiled block hides its matmuls from the counter.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from launcher.train import rng
 from launcher.train.recipe import Recipe
@@ -47,14 +45,16 @@ def peak_flops(device_name: str | None, precision: str, tf32: bool) -> float | N
     return None
 
 
-def count_flops(recipe: Recipe, factory: Callable[[], nn.Module], batch: Any) -> int:
-    """FLOPs of one micro-batch's forward and backward, on a meta copy of the model."""
+def count_flops(recipe: Recipe, model_kwargs: dict[str, Any], batch: Any) -> int:
+    """FLOPs of one micro-batch's forward and backward, on a meta copy of the model built by
+    a fresh copy of the recipe's module, so that the training's recipe sees no extra call."""
     from torch.utils.flop_counter import FlopCounterMode
 
     state = rng.rng_state()  # a constructor may draw from Python's or numpy's generators
     try:
+        recipe = recipe.fresh_copy()
         with torch.device("meta"):
-            model = factory()
+            model = recipe.build_model(**model_kwargs)
         meta_batch = map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
         with FlopCounterMode(display=False) as counter:
             loss, _ = recipe.loss(model, meta_batch)
@@ -77,13 +77,13 @@ class Speed:
         self.per_step: int | None = None  # FLOPs per optimizer step per device
         self.counted = False
 
-    def count(self, recipe: Recipe, factory: Callable[[], nn.Module], batch: Any) -> str | None:
+    def count(self, recipe: Recipe, model_kwargs: dict[str, Any], batch: Any) -> str | None:
         """Counts once; returns a line to say where the FLOPs could not be counted."""
         if self.counted:
             return None
         self.counted = True
         try:
-            flops = count_flops(recipe, factory, batch)
+            flops = count_flops(recipe, model_kwargs, batch)
         except Exception as exc:  # a model that reads values (.item()) cannot run on meta
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return f"FLOPs not counted (the model does not run on the meta device: {reason[:160]})"

@@ -47,8 +47,9 @@ class Trainer:
         if attempt:
             print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
         rss_before_build = memory.rss_bytes()
-        self.factory = lambda: recipe.build_model(**spec.recipe.model)
-        self.model = strategy.build_model(self.factory, WeightInit(recipe, spec.run.seed))
+        self.model = strategy.build_model(
+            lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
+        )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         self.feed = build_feed(
             recipe.build_dataset("train", **spec.recipe.dataset),
@@ -202,7 +203,7 @@ class Trainer:
         for i in range(accum):
             batch = next(batches)
             if not self.speed.counted:  # the first micro-batch of this process
-                self._say(self.speed.count(self.recipe, self.factory, batch) or "")
+                self._say(self.speed.count(self.recipe, self.spec.recipe.model, batch) or "")
             samples += batch_size(batch)
             with self.strategy.sync_gradients(self.model, sync=i == accum - 1):
                 with self.strategy.autocast():

@@ -89,6 +89,23 @@ class Recipe:
         if callable(hook) and state is not None:
             hook(state)
 
+    def fresh_copy(self) -> Recipe:
+        """The recipe's module executed anew, its globals its own: code that runs it for a
+        look (FLOP counting) leaves the training's module state (a call counter, say) as it
+        was. The module's name in `sys.modules` keeps pointing at the original."""
+        name = self.module.__name__
+        spec = importlib.util.find_spec(name) if not self.source.endswith(".py") else None
+        if spec is None:
+            spec = importlib.util.spec_from_file_location(name, self.module.__file__)
+        assert spec is not None and spec.loader is not None
+        copy = importlib.util.module_from_spec(spec)
+        sys.modules[name] = copy  # while it runs: dataclasses look their module up
+        try:
+            spec.loader.exec_module(copy)
+        finally:
+            sys.modules[name] = self.module
+        return Recipe(self.source, copy)
+
     def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """The recipe's loss, always as (loss, metrics)."""
         out = self.module.loss(model, batch)

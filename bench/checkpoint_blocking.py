@@ -1,6 +1,7 @@
 """How long a checkpoint save blocks training: sync against `checkpoint.async: true`.
 
     python bench/checkpoint_blocking.py
+    python bench/checkpoint_blocking.py --gpu    # one GPU: the 86M GPT, block 1024, bf16
 
 Trains the gpt recipe (about 5M parameters, ~60 MB of model and AdamW state) on 2 CPU
 processes with a checkpoint every 10 steps, once with each mode, and reads the time each
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = Path(sys.executable).parent / "train"
+TRAIN = shutil.which("train") or str(Path(sys.executable).parent / "train")
 ARGS = [
     "--config",
     str(REPO / "bench" / "gpt_bench.yaml"),
@@ -28,13 +30,21 @@ ARGS = [
     "train.log_every=60",
     "checkpoint.every_n_steps=10",
 ]
+GPU = [
+    "launch.accelerator=gpu",
+    "launch.devices=1",
+    "train.precision=bf16",
+    "recipe.model={n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024}",
+    "recipe.dataset.block_size=1024",
+]
 
 
-def run(mode_async: bool, folder: Path) -> dict:
+def run(mode_async: bool, folder: Path, extra: list[str]) -> dict:
     run_dir = folder / ("async" if mode_async else "sync")
     cmd = [
         str(TRAIN),
         *ARGS,
+        *extra,
         f"checkpoint.async={str(mode_async).lower()}",
         "--run-dir",
         str(run_dir),
@@ -53,9 +63,11 @@ def run(mode_async: bool, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/checkpoint_blocking.json")
+    parser.add_argument("--gpu", action="store_true", help="one GPU, the 86M GPT")
     args = parser.parse_args()
+    extra = GPU if args.gpu else []
     with tempfile.TemporaryDirectory() as tmp:
-        results = {"sync": run(False, Path(tmp)), "async": run(True, Path(tmp))}
+        results = {"sync": run(False, Path(tmp), extra), "async": run(True, Path(tmp), extra)}
     ratio = results["async"]["blocked_ms_median"] / results["sync"]["blocked_ms_median"]
     print("| mode | saves | blocked ms (median) | blocked ms (max) | step ms (median) |")
     print("|---|---:|---:|---:|---:|")

@@ -8,4 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+if [ "${1:-}" = "--checkpoints" ]; then  # async against sync saves on the GPU
+    exec python3 bench/checkpoint_blocking.py --gpu --out "${OUT:-bench/results}/checkpoint_blocking_gpu.json"
+fi
 python3 bench/gpu_bench.py "$@"

@@ -1,6 +1,8 @@
 # make demo   set up .venv and train configs/quickstart.yaml on 2 CPU processes
 # make test   set up and run every test (and lint)
 # make bench  the launcher against hand-written torchrun loops, ddp and fsdp (writes bench/results/)
+# make bench-gpu-smoke  bench/gpu_bench.py's rows, tiny, on CPU (before a GPU session runs it)
+# make gpu-wheels       the wheels its GPU run carries, into bench/wheels/ (BENCHMARKS.md)
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -63,17 +65,22 @@ test-smoke: env-smoke
 		.venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider -m smoke tests || exit 1; \
 	done
 
-# bench/gpt_fsdp_bench.yaml, by hand: fully_shard and clip_grad_norm_.
-FSDP_HANDWRITTEN := --steps 250 --batch-size 8 --lr 1e-3 --n-layer 4 --n-embd 128 --n-head 4 --block-size 128 --max-bytes 8000000 --fsdp --clip 1.0
-
 bench: env
 	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_bench.yaml --run-dir {run_dir}"
 	$(VENV)/bin/python bench/checkpoint_blocking.py
 	$(VENV)/bin/python bench/fsdp_memory.py
 	$(VENV)/bin/python bench/log_flood.py
 	$(VENV)/bin/python bench/eval_cost.py
-	$(VENV)/bin/python bench/compare.py --ours "$(VENV)/bin/train --config bench/gpt_fsdp_bench.yaml --run-dir {run_dir}" --handwritten-args "$(FSDP_HANDWRITTEN)" --out bench/results/fsdp_vs_fully_shard.json
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 bench/clip_cost.py
+	$(VENV)/bin/python bench/fsdp_overhead.py
+
+# bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
+# spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.
+.PHONY: bench-gpu-smoke gpu-wheels
+bench-gpu-smoke: env
+	$(VENV)/bin/python bench/gpu_bench.py --smoke
+
+gpu-wheels: env
+	bench/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) $(VENV_XLA) .venv-torch* build *.egg-info

@@ -1,104 +1,138 @@
 """The launcher against hand-written loops and Lightning on one GPU (issue 17's targets).
 
-    python bench/gpu_bench.py                 # on a GPU machine: every row (about 9 minutes)
-    python bench/gpu_bench.py --only compiled  # rows whose name holds a word
-    python bench/gpu_bench.py --smoke         # here, on CPU: every row tiny, to see it works
+    bash bench/gpu_run.sh                      # on a lent GPU machine (BENCHMARKS.md): every row
+    python bench/gpu_bench.py --only compiled  # rows whose name holds this text
+    python bench/gpu_bench.py --smoke          # here, on CPU: every row tiny, to see it works
 
 Rows, on the GPT recipe at 86M parameters (12 x 768, block 1024) in bf16, batches 16 and 32:
 hand-written torchrun DDP (eager), the best hand-written loop (no DDP, fused AdamW,
 torch.compile), ours eager and ours `train.compile: true`, Lightning (skipped where it is not
-installed); fsdp: ours against hand-written `fully_shard`, both gathering bf16 parameters; and
-the tiny GPT (0.9M) at batch 64: hand-written DDP, no DDP, Lightning and ours. Each row: median
-ms/step after the warm-up steps, tokens/s, MFU (FLOPs counted with the launcher's
-`count_flops`, peak from its table) and peak GPU memory. Prints a markdown table and the
-target ratios; writes the JSON to $OUT (the device machine's) or bench/results/.
+installed); fsdp at batch 16: ours against hand-written `fully_shard`, both gathering bf16
+parameters, without and with clipping at 1.0; and the tiny GPT (0.9M) at batch 64: hand-written
+DDP, no DDP, Lightning and ours. Each row runs in its own processes; it gives the median ms/step
+after the warm-up steps, tokens/s, TFLOP/s, MFU (FLOPs counted once per model and batch with
+the launcher's `count_flops`, the same count for every row; the peak from its table) and peak
+GPU memory allocated. Prints a markdown table and the target ratios; writes the JSON to $OUT
+(the device machine's) or bench/results/, after every row. A row that fails, or that the time
+budget (--budget-s) leaves no room for, is recorded as such and the others go on (the rows the
+targets compare first), so that one 10-minute device call ends with a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import yaml
+from compare import CommandFailed, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from launcher.train.flops import count_flops, peak_flops  # noqa: E402
 from launcher.train.recipe import load_recipe  # noqa: E402
 
+RECIPE = REPO / "recipes" / "gpt.py"
 BIG = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
 TINY = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
 SMOKE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+BEST = "hand-written best (no DDP, fused, compiled)"
+# The issue's targets, each a ratio of tokens/s: (ours, theirs, at least).
+TARGETS = {
+    "compiled_vs_best_handwritten_b32": ("ours compiled, batch 32", f"{BEST}, batch 32", 0.98),
+    "fsdp_vs_fully_shard_b16": ("ours fsdp, batch 16", "hand-written fully_shard, batch 16", 0.95),
+    "fsdp_clipped_vs_fully_shard_clipped_b16": (
+        "ours fsdp, clip 1.0, batch 16", "hand-written fully_shard, clip 1.0, batch 16", 0.95),
+    "tiny_ours_vs_lightning": (
+        "tiny GPT: ours, batch 64", "tiny GPT: Lightning single device, batch 64", 1.0),
+}  # fmt: skip
+# What ours reports of itself (summary.json), kept beside the bench's own figures.
+LAUNCHER_KEYS = ("flops_per_step", "tflops_per_device", "mfu", "max_memory_reserved_gib",
+                 "dynamo_compilations", "dynamo_compilations_after_warmup")  # fmt: skip
+FSDP_BF16 = {"fsdp": {"param_dtype": "bf16"}, "strategy": "fsdp"}
+HAND_FSDP = ["--fsdp", "--param-dtype", "bf16"]
+ROW_LIMIT_S = 300  # a hung row is stopped (a compiled row takes about a minute on an H100)
 
 
 def rows(smoke: bool) -> list[dict]:
-    """(name, kind, model, batch, options) of every row."""
+    """Every row, in the table's order: name, kind (a runner) and the runner's options."""
     big, tiny = (SMOKE, SMOKE) if smoke else (BIG, TINY)
     out = []
     for batch in (16, 32):
+        for row in (
+            {"name": "hand-written DDP", "kind": "hand", "args": []},
+            {"name": BEST, "kind": "hand", "args": ["--no-ddp", "--fused", "--compile"]},
+            {"name": "ours", "kind": "ours"},
+            {"name": "ours compiled", "kind": "ours", "train": {"compile": True}},
+            {"name": "Lightning", "kind": "lightning"},
+        ):
+            out.append(
+                {**row, "name": f"{row['name']}, batch {batch}", "model": big, "batch": batch}
+            )
+    for name, clip in (("", {}), (", clip 1.0", {"grad_clip_norm": 1.0})):
+        clip_args = ["--clip", "1.0"] if clip else []
         out += [
-            {"name": f"hand-written DDP, batch {batch}", "kind": "hand", "args": []},
-            {"name": f"hand-written best (no DDP, fused, compiled), batch {batch}",
-             "kind": "hand", "args": ["--no-ddp", "--fused", "--compile"]},
-            {"name": f"ours, batch {batch}", "kind": "ours", "train": {}},
-            {"name": f"ours compiled, batch {batch}", "kind": "ours", "train": {"compile": True}},
-            {"name": f"Lightning, batch {batch}", "kind": "lightning"},
+            {"name": f"hand-written fully_shard{name}, batch 16", "kind": "hand",
+             "args": HAND_FSDP + clip_args, "model": big, "batch": 16},
+            {"name": f"ours fsdp{name}, batch 16", "kind": "ours", "model": big, "batch": 16,
+             "train": clip, **FSDP_BF16},
         ]  # fmt: skip
-        for row in out[-5:]:
-            row.update(model=big, batch=batch)
-    out += [
-        {"name": "hand-written fully_shard, batch 16", "kind": "hand",
-         "args": ["--fsdp", "--param-dtype", "bf16"], "model": big, "batch": 16},
-        {"name": "ours fsdp, batch 16", "kind": "ours", "model": big, "batch": 16,
-         "strategy": "fsdp", "fsdp": {"param_dtype": "bf16"}},
-    ]  # fmt: skip
     for name, kind, extra in (
         ("hand-written DDP", "hand", {"args": []}),
         ("hand-written no DDP", "hand", {"args": ["--no-ddp"]}),
         ("Lightning single device", "lightning", {}),
-        ("ours", "ours", {"train": {}}),
+        ("ours", "ours", {}),
     ):
         out.append({"name": f"tiny GPT: {name}, batch 64", "kind": kind, "model": tiny,
                     "batch": 64, **extra})  # fmt: skip
     return out
 
 
+def run_order(chosen: list[dict]) -> list[dict]:
+    """The rows the targets compare first, so that a budget cut leaves the others out."""
+    compared = {name for ours, theirs, _ in TARGETS.values() for name in (ours, theirs)}
+    return sorted(chosen, key=lambda row: row["name"] not in compared)
+
+
 def model_args(model: dict) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in model.items()]
 
 
-def run_hand(row: dict, steps: int, device: str, folder: Path) -> dict:
+def run_hand(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:
     out = folder / "summary.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     argv += [str(REPO / "bench" / "handwritten_ddp.py"), f"--steps={steps}", f"--device={device}"]
     argv += [f"--batch-size={row['batch']}", *model_args(row["model"]), *row["args"]]
     argv += ["--precision=bf16" if device == "cuda" else "--precision=fp32", f"--out={out}"]
-    subprocess.run(argv, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_command(argv, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout)
     return json.loads(out.read_text())
 
 
-def run_lightning(row: dict, steps: int, device: str, folder: Path) -> dict:
+def run_lightning(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:
     out = folder / "summary.json"
     argv = [sys.executable, str(REPO / "bench" / "lightning_gpt.py"), f"--steps={steps}"]
     argv += [f"--batch-size={row['batch']}", *model_args(row["model"]), f"--device={device}"]
-    subprocess.run([*argv, f"--out={out}"], check=True)
+    run_command([*argv, f"--out={out}"], dict(os.environ), timeout)
     return json.loads(out.read_text())
 
 
-def run_ours(row: dict, steps: int, device: str, folder: Path) -> dict:
+def run_ours(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:
     spec = {
         "run": {"name": "gpu_bench", "output_dir": str(folder)},
         "launch": {"accelerator": "gpu" if device == "cuda" else "cpu", "devices": 1,
                    "strategy": row.get("strategy", "ddp")},
-        "recipe": {"source": str(REPO / "recipes" / "gpt.py"), "model": row["model"],
+        "recipe": {"source": str(RECIPE), "model": row["model"],
                    "dataset": {"block_size": row["model"]["block_size"]}},
         "data": {"batch_size": row["batch"], "shuffle": True},
         "optim": {"name": "AdamW", "lr": 1e-3, "kwargs": {"weight_decay": 0.0}},
@@ -110,110 +144,154 @@ def run_ours(row: dict, steps: int, device: str, folder: Path) -> dict:
     (folder / "run.yaml").write_text(yaml.safe_dump(spec))
     train = shutil.which("train") or str(Path(sys.executable).parent / "train")
     run_dir = folder / "run"
-    subprocess.run([train, "--config", str(folder / "run.yaml"), "--run-dir", str(run_dir)],
-                   check=True)  # fmt: skip
+    argv = [train, "--config", str(folder / "run.yaml"), "--run-dir", str(run_dir)]
+    run_command(argv, dict(os.environ), timeout)
     return json.loads((run_dir / "summary.json").read_text())
 
 
 RUNNERS = {"hand": run_hand, "ours": run_ours, "lightning": run_lightning}
 
 
-def lightning_installed() -> bool:
-    import importlib.util
+def lightning_version() -> str | None:
+    for module in ("lightning", "pytorch_lightning"):
+        if importlib.util.find_spec(module):
+            return f"{module} {__import__(module).__version__}"
+    return None
 
-    return any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
+
+@functools.cache
+def flops_per_step(model: tuple[tuple[str, int], ...], batch: int) -> int:
+    """One forward and backward of the recipe's model at this batch, counted on meta."""
+    tokens = torch.zeros(batch, dict(model)["block_size"], dtype=torch.long)
+    return count_flops(load_recipe(str(RECIPE)), dict(model), (tokens, tokens))
 
 
-def measure(row: dict, steps: int, warmup: int, device: str) -> dict | None:
-    if row["kind"] == "lightning" and not lightning_installed():
-        return None
-    with tempfile.TemporaryDirectory() as folder:
-        summary = RUNNERS[row["kind"]](row, steps, device, Path(folder))
-    steady = summary["step_times_s"][warmup:]
-    seconds = statistics.median(steady)
-    tokens = row["batch"] * row["model"]["block_size"]
-    return {
-        "ms_per_step": 1000 * seconds,
-        "tokens_per_s": tokens / seconds,
-        "flops_per_step": flops(row["model"], row["batch"]),
+def figures(row: dict, summary: dict, warmup: int, peak: float | None) -> dict:
+    seconds = statistics.median(summary["step_times_s"][warmup:])
+    flops = flops_per_step(tuple(row["model"].items()), row["batch"])
+    out = {
+        "ms_per_step": round(1000 * seconds, 3),
+        "tokens_per_s": round(row["batch"] * row["model"]["block_size"] / seconds),
+        "tflops": round(flops / seconds / 1e12, 4),
+        "mfu": round(flops / seconds / peak, 4) if peak else None,
+        "flops_per_step": flops,
         "max_memory_allocated_gib": summary.get("max_memory_allocated_gib"),
+        "steps_timed": len(summary["step_times_s"][warmup:]),
     }
+    reported = {key: summary[key] for key in LAUNCHER_KEYS if summary.get(key) is not None}
+    return {**out, **({"launcher_reported": reported} if reported else {})}
 
 
-def flops(model: dict, batch: int) -> int:
-    recipe = load_recipe(str(REPO / "recipes" / "gpt.py"))
-    tokens = torch.zeros(batch, model["block_size"], dtype=torch.long)
-    return count_flops(recipe, model, (tokens, tokens))
+def measure(row: dict, args: argparse.Namespace, timeout: float, peak: float | None) -> dict:
+    """The row's figures, or why it has none ({"skipped": ...} or {"failed": ...})."""
+    if row["kind"] == "lightning" and not lightning_version():
+        return {"skipped": "Lightning not installed"}
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-bench-") as folder:
+            runner = RUNNERS[row["kind"]]
+            summary = runner(row, args.steps, args.device, Path(folder), timeout)
+    except CommandFailed as err:
+        print(err, flush=True)
+        return {"failed": failure_reason(str(err))}
+    return figures(row, summary, args.warmup, peak)
 
 
-def table(results: dict[str, dict | None], peak: float | None) -> str:
-    lines = ["| setup | ms/step | tokens/s | MFU | peak memory GiB |", "|---|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        if r is None:
-            lines.append(f"| {name} | skipped: not installed | | | |")
+def failure_reason(message: str) -> str:
+    """'exit code 1' or 'timed out after N s', and the last error line of the output's tail."""
+    lines = message.splitlines()
+    errors = [
+        line.strip(" │")  # rich's traceback box
+        for line in lines[1:]
+        if re.search(r"\w(Error|Exception)\b", line) and "ChildFailedError" not in line
+    ]
+    how = lines[0].split(": ", 1)[0]
+    return f"{how}; {errors[-1]}"[:160] if errors else how
+
+
+def table(names: list[str], results: dict[str, dict]) -> str:
+    lines = [
+        "| setup | ms/step | tokens/s | TFLOP/s | MFU | peak memory GiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        r = results[name]
+        if "ms_per_step" not in r:
+            reason = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['failed']}"
+            lines.append(f"| {name} | {reason} | | | | |")
             continue
-        mfu = (
-            f"{100 * r['flops_per_step'] / (r['ms_per_step'] / 1000) / peak:.1f}%" if peak else "-"
-        )
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         memory = r["max_memory_allocated_gib"]
-        memory_text = f"{memory:.1f}" if memory is not None else "-"
         lines.append(
-            f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {memory_text} |"
+            f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,} | {r['tflops']:.3g} | "
+            f"{mfu} | {'-' if memory is None else f'{memory:.2f}'} |"
         )
     return "\n".join(lines)
 
 
-def ratios(results: dict[str, dict | None]) -> dict[str, float]:
-    """The issue's targets: compiled ours against the best hand-written loop at batch 32
-    (>= 0.98), ours fsdp against fully_shard (>= 0.95), ours against Lightning on the tiny GPT
-    (>= 1.0); each a ratio of tokens/s."""
-
-    def rate(name: str) -> float | None:
-        r = results.get(name)
-        return r["tokens_per_s"] if r else None
-
-    pairs = {
-        "compiled_vs_best_handwritten_b32": (
-            "ours compiled, batch 32", "hand-written best (no DDP, fused, compiled), batch 32"),
-        "fsdp_vs_fully_shard_b16": ("ours fsdp, batch 16", "hand-written fully_shard, batch 16"),
-        "tiny_ours_vs_lightning": (
-            "tiny GPT: ours, batch 64", "tiny GPT: Lightning single device, batch 64"),
-    }  # fmt: skip
+def ratios(results: dict[str, dict]) -> dict[str, dict]:
+    """Each target's ratio of tokens/s, where both of its rows ran."""
     out = {}
-    for key, (ours, theirs) in pairs.items():
-        a, b = rate(ours), rate(theirs)
+    for key, (ours, theirs, target) in TARGETS.items():
+        a, b = (results.get(name, {}).get("tokens_per_s") for name in (ours, theirs))
         if a and b:
-            out[key] = round(a / b, 3)
+            out[key] = {"ratio": round(a / b, 3), "target": target, "met": a / b >= target}
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny rows on CPU")
+    parser.add_argument("--smoke", action="store_true", help="tiny rows on CPU, 3 steps each")
     parser.add_argument("--only", default="", help="rows whose name holds this text")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, help="steps per row (50; 3 with --smoke)")
+    parser.add_argument("--warmup", type=int, help="first steps left out (10; 1 with --smoke)")
+    parser.add_argument("--budget-s", type=float, help="start no row after this (520 on GPU)")
+    parser.add_argument("--out", type=Path, help="the JSON (default $OUT or bench/results/)")
     args = parser.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    steps = args.steps or (4 if args.smoke else 60)
-    warmup = 1 if args.smoke else 15
-    chosen = [r for r in rows(args.smoke) if args.only in r["name"]]
-    if args.smoke:  # compiling on 2 CPU cores takes minutes: the smoke run skips it
-        chosen = [r for r in chosen if "compile" not in r["name"]]
-    results = {}
-    for row in chosen:
-        print(f"== {row['name']}", flush=True)
-        results[row["name"]] = measure(row, steps, warmup, device)
-    name = torch.cuda.get_device_name() if device == "cuda" else None
-    peak = peak_flops(name, "bf16", True)
-    print(f"\n{name or 'CPU'}, torch {torch.__version__}, {steps} steps (median after {warmup})")
-    print(table(results, peak))
-    found = ratios(results)
-    print("\n" + "\n".join(f"{k}: x{v}" for k, v in found.items()))
-    out = Path(os.environ.get("OUT") or REPO / "bench" / "results") / "gpu_bench.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"device": name, "torch": torch.__version__, "results": results, "ratios": found}
-    out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {out}")
+    args.device = "cpu" if args.smoke else "cuda"
+    args.steps = args.steps or (3 if args.smoke else 50)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
+    args.budget_s = args.budget_s or (math.inf if args.smoke else 520.0)
+    args.out = args.out or Path(os.environ.get("OUT") or REPO / "bench/results") / "gpu_bench.json"
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device here: --smoke runs every row tiny on CPU")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.monotonic()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else None
+    peak = peak_flops(name, "bf16" if name else "fp32", True)
+    names = [row["name"] for row in rows(args.smoke) if args.only in row["name"]]
+    record = {
+        "device": name or "CPU", "peak_flops": peak, "torch": torch.__version__,
+        "lightning": lightning_version(), "steps": args.steps, "warmup": args.warmup,
+        "models": {"big": SMOKE if args.smoke else BIG, "tiny": SMOKE if args.smoke else TINY},
+        "results": {}, "ratios": {},
+    }  # fmt: skip
+    results = record["results"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for row in run_order([row for row in rows(args.smoke) if row["name"] in names]):
+        left = args.budget_s - (time.monotonic() - started)
+        print(f"== {row['name']} ({time.monotonic() - started:.0f} s in)", flush=True)
+        if left < 20:
+            results[row["name"]] = {"skipped": f"out of the {args.budget_s:.0f} s budget"}
+        else:
+            results[row["name"]] = measure(row, args, min(left, ROW_LIMIT_S), peak)
+        record["ratios"] = ratios(results)
+        args.out.write_text(json.dumps(record, indent=1))
+    print(
+        f"\n{record['device']}, torch {torch.__version__}, {record['lightning'] or 'no Lightning'}"
+    )
+    print(f"{args.steps} steps per row, median after the first {args.warmup}; peak {peak or '-'}")
+    print(table([n for n in names if n in results], results))
+    for key, r in record["ratios"].items():
+        print(f"{key}: x{r['ratio']} (target >= {r['target']}: {'met' if r['met'] else 'MISSED'})")
+    if args.smoke:
+        print("(smoke: tiny rows, a few CPU steps; the figures show it runs, not how fast)")
+    print(f"wrote {args.out} ({time.monotonic() - started:.0f} s)")
 
 
 if __name__ == "__main__":

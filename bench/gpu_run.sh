@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (the device tool runs this in the repo's root, with .whl carried):
-#   bash bench/gpu_run.sh [gpu_bench.py's arguments]
-# Installs the carried wheels and the launcher (`train` on PATH) into /tmp/site, then runs the
-# benchmark; its JSON lands in $OUT, which the tool brings back.
+# On the lent GPU machine, after bench/gpu_wheels.sh here: the device tool's run, in the repo's
+# root, with carry ["bench/wheels"]:
+#   bash bench/gpu_run.sh [gpu_bench.py's arguments]    # every row, within one 10-minute call
+#   bash bench/gpu_run.sh --checkpoints                 # async against sync saves instead
+# Installs the carried wheels and the launcher (`train`) into a fresh folder in /tmp, first on
+# PYTHONPATH and PATH, then runs the benchmark; its JSON and this log land in $OUT, which the
+# tool brings back (bench/results/ where $OUT is unset). PYTHON3 names another interpreter.
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-if [ "${1:-}" = "--checkpoints" ]; then  # async against sync saves on the GPU
-    exec python3 bench/checkpoint_blocking.py --gpu --out "${OUT:-bench/results}/checkpoint_blocking_gpu.json"
+cd "$(dirname "$0")/.."
+python=${PYTHON3:-python3}
+out=${OUT:-bench/results}
+mkdir -p "$out"
+compgen -G "bench/wheels/*.whl" >/dev/null || {
+    echo "no wheels in bench/wheels: run bench/gpu_wheels.sh where pip reaches the registry," \
+        "and carry bench/wheels" >&2
+    exit 1
+}
+site=$(mktemp -d /tmp/launcher-site.XXXXXX)
+# One call, so that the launcher's bin/train and the wheels' scripts share one bin/ folder;
+# its output (setuptools' warnings) only where it fails.
+"$python" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+    --no-cache-dir --target "$site" bench/wheels/*.whl . >"$site.log" 2>&1 || {
+    cat "$site.log" >&2
+    exit 1
+}
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
+"$python" -c "import pydantic, typer, rich, yaml, psutil, safetensors, torch, launcher.cli" || exit 1
+if [ "${1:-}" = "--checkpoints" ]; then
+    exec "$python" bench/checkpoint_blocking.py --gpu --out "$out/checkpoint_blocking_gpu.json"
 fi
-python3 bench/gpu_bench.py "$@"
+"$python" bench/gpu_bench.py "$@" 2>&1 | tee "$out/gpu_bench.log"

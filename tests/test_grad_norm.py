@@ -16,19 +16,19 @@ from launcher.train.strategies.grad_norm import sharded_norm
 from tests.conftest import free_port
 
 
-def _sharded_model_with_grads(seed: int) -> nn.Module:
+def _sharded_model_with_grads(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     # Odd sizes: uneven shards, and a bias smaller than the world size on some rank.
-    model = nn.Sequential(nn.Linear(7, 33), nn.GELU(), nn.Linear(33, 1))
+    model = nn.Sequential(nn.Linear(7, 33), nn.GELU(), nn.Linear(33, 1)).to(dtype)
     mesh = init_device_mesh("cpu", (2,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     torch.manual_seed(seed)  # the same on both ranks: each rank gets the same full batch
-    model(torch.randn(16, 7)).square().mean().backward()
+    model(torch.randn(16, 7, dtype=dtype)).float().square().mean().backward()
     return model
 
 
@@ -60,6 +60,15 @@ def _worker(rank: int, port: int) -> None:
         scale = 1e-3 / (norm + 1e-6)
         for a, b in zip(before, after, strict=True):
             torch.testing.assert_close(a * scale, b)
+        # bf16 gradients: torch sums the per-tensor bf16 norms in bf16, ours in fp32 (and
+        # returns fp32): equal to bf16's precision, the clipped gradients too.
+        ours_model = _sharded_model_with_grads(3, torch.bfloat16)
+        torchs_model = _sharded_model_with_grads(3, torch.bfloat16)
+        ours = gradient_norm(ours_model, 1e-3)
+        torchs = torch.nn.utils.clip_grad_norm_(list(torchs_model.parameters()), 1e-3)
+        torch.testing.assert_close(ours.to(torch.bfloat16), torchs.full_tensor())
+        for a, b in zip(ours_model.parameters(), torchs_model.parameters(), strict=True):
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor())
     finally:
         dist.destroy_process_group()
 

@@ -67,7 +67,9 @@ def count_flops(recipe: Recipe, model_kwargs: dict[str, Any], batch: Any) -> int
 class Speed:
     """The run's FLOPs per step and per device, and the figures each log line reports."""
 
-    def __init__(self, device: torch.device, precision: str, tf32: bool, per_process: int) -> None:
+    def __init__(
+        self, device: torch.device, precision: str, tf32: bool, per_process: float
+    ) -> None:
         self.device = device
         cuda = device.type == "cuda"
         self.peak = peak_flops(

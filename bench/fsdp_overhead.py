@@ -24,38 +24,39 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from launcher.spec_loader import load_spec  # noqa: E402
+
 CONFIG = REPO / "bench/gpt_fsdp_bench.yaml"
 RESULTS = REPO / "bench/results"
 
 
 def handwritten_args(config: Path) -> list[str]:
-    """bench/handwritten_ddp.py's arguments for the run that `config` describes."""
-    spec = yaml.safe_load(config.read_text())
-    model, dataset = spec["recipe"]["model"], spec["recipe"]["dataset"]
-    optim, train = spec["optim"], spec["train"]
+    """bench/handwritten_ddp.py's arguments for the run that `config` describes, read through
+    the launcher's own spec loader (defaults applied, `1e-3` a number) as `train` reads it."""
+    spec = load_spec(config)
+    model, dataset = spec.recipe.model, spec.recipe.dataset
     # The hand-written loop hard-codes these; a YAML that strays from them is another run.
     fixed = {
-        "optim.name": (optim["name"], "AdamW"),
-        "optim.kwargs": (optim.get("kwargs"), {"weight_decay": 0.0}),
-        "run.seed": (spec["run"]["seed"], 0),
-        "launch.strategy": (spec["launch"]["strategy"], "fsdp"),
+        "optim.name": (spec.optim.name, "AdamW"),
+        "optim.kwargs": (spec.optim.kwargs, {"weight_decay": 0.0}),
+        "run.seed": (spec.run.seed, 0),
+        "launch.strategy": (spec.launch.strategy, "fsdp"),
     }
     for key, (value, expected) in fixed.items():
         if value != expected:
             sys.exit(f"{config}: {key} is {value!r}; the hand-written loop runs {expected!r}")
     values = {
-        "--steps": train["max_steps"],
-        "--batch-size": spec["data"]["batch_size"],
-        "--lr": optim["lr"],
+        "--steps": spec.train.max_steps,
+        "--batch-size": spec.data.batch_size,
+        "--lr": spec.optim.lr,
         "--n-layer": model["n_layer"],
         "--n-head": model["n_head"],
         "--n-embd": model["n_embd"],
         "--block-size": model["block_size"],
         "--max-bytes": dataset["max_bytes"],
-        "--clip": train["grad_clip_norm"],
+        "--clip": spec.train.grad_clip_norm,
     }
     return ["--fsdp", *(str(x) for pair in values.items() for x in pair)]
 

@@ -33,6 +33,9 @@ $(VENV_XLA)/.ready: requirements/xla.txt pyproject.toml tools/mkenv.sh
 
 demo: env
 	$(VENV)/bin/train --config configs/quickstart.yaml
+	@echo
+	@echo "To run train yourself, put it on your PATH:  source .venv/bin/activate"
+	@echo "Then: train --help, train runs, train plot runs/quickstart/*"
 
 lint: env
 	$(VENV)/bin/python -m ruff check launcher recipes tests bench
@@ -72,6 +75,7 @@ bench: env
 	$(VENV)/bin/python bench/log_flood.py
 	$(VENV)/bin/python bench/eval_cost.py
 	$(VENV)/bin/python bench/fsdp_overhead.py
+	$(VENV)/bin/python bench/cli_startup.py
 
 # bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
 # spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.

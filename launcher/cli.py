@@ -1,24 +1,56 @@
-"""`train`: the command line. It parses, builds a plan, and calls one function."""
+"""`train`: the command line. It parses, builds a plan, and calls one function.
+
+`train --config run.yaml` runs; `train validate|slurm|export|schema|runs|plot ...` are the other
+commands (COMMANDS). Nothing is imported at the top that imports torch: `--help`, a bad flag or
+a spec with mistakes answer in a fraction of a second, and torch comes in once a run needs it.
+"""
 
 from __future__ import annotations
 
-from launcher import cli_interrupt  # first: Ctrl-C during the slow imports below
+from launcher import cli_interrupt  # noqa: F401  (first: Ctrl-C during the imports below)
 
 # isort: split
 import os
 import sys
-import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.text import Text
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
-from launcher.cli_spec import load_cli_spec
-from launcher.errors import LauncherError
-from launcher.spec import LaunchSection, RunSpec
+from launcher.cli_common import (
+    AcceleratorOpt,
+    ConfigOpt,
+    DevicesOpt,
+    MaxRestartsOpt,
+    Overrides,
+    StallTimeoutOpt,
+    StrategyOpt,
+    StrictCompileOpt,
+    run_guarded,
+)
+from launcher.cli_tools import (
+    check_recipe,
+    export_command,
+    schema_command,
+    slurm_command,
+    validate_command,
+)
+from launcher.runs.commands import plot_command, runs_command
+
+# name -> (function, the one line `train --help` lists it with)
+COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
+    "validate": (
+        validate_command,
+        "check a spec and its recipe; --explain: where each value came from",
+    ),
+    "slurm": (slurm_command, "print an sbatch script for a SLURM cluster"),
+    "export": (export_command, "write a checkpoint's model as one .safetensors or .pt file"),
+    "schema": (schema_command, "print the spec's JSON Schema, for editors"),
+    "runs": (runs_command, "list the runs: status, steps, losses, checkpoints"),
+    "plot": (plot_command, "draw runs' curves: a PNG, or in the terminal"),
+}
 
 EXAMPLES = """
 Examples:
@@ -32,56 +64,68 @@ Examples:
   train --config my_run.yaml --resume latest
 
   train --config my_run.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29500 --rdzv-id exp42
-
-  train validate --config my_run.yaml     (check a spec and its recipe, run nothing)
-
-  train slurm --config my_run.yaml --nodes 4 --gpus-per-node 8 > job.sbatch
-
-  train export runs/my_run/20261121-103405 --out model.safetensors   (the newest checkpoint's model)
 """
+
+COMMANDS_HELP = "Commands (train COMMAND --help):\n\n" + "\n\n".join(
+    f"  {name:<9} {line}" for name, (_, line) in COMMANDS.items()
+)
+
+# The group's own options, which stay with it rather than go to the run command.
+_GROUP_OPTIONS = ("--install-completion", "--show-completion")
 
 
 class _DefaultToRun(TyperGroup):
-    """`train --config x` means `train run --config x`: the run command is the default."""
+    """`train --config x` means `train run --config x`: the run command is the default, and
+    `train --help` is its help."""
 
-    def parse_args(self, ctx, args):  # type: ignore[no-untyped-def]
-        if not args or args[0] not in self.commands:
-            args = ["run", *args]
-        return super().parse_args(ctx, args)
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        own = (
+            args[0] in self.commands or args[0] in _GROUP_OPTIONS if args else ctx.resilient_parsing
+        )
+        return super().parse_args(ctx, args if own else ["run", *args])
+
+    def shell_complete(self, ctx: typer.Context, incomplete: str) -> list[Any]:
+        # `train <TAB>`: the commands, and the run's own options.
+        run = self.commands["run"]
+        with run.make_context("run", [], parent=ctx, resilient_parsing=True) as sub:
+            return [*super().shell_complete(ctx, incomplete), *run.shell_complete(sub, incomplete)]
+
+
+class _RunContext(typer.Context):
+    @property
+    def command_path(self) -> str:
+        # The run command is `train`, not `train run`: in its usage line and its errors.
+        return self.parent.command_path if self.parent else super().command_path
+
+
+class _RunCommand(TyperCommand):
+    context_class = _RunContext
 
 
 app = typer.Typer(
     cls=_DefaultToRun,
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _doc(key: str) -> str:
-    return LaunchSection.model_fields[key].description or ""
-
-
-ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The run spec (YAML).")]
-Overrides = Annotated[
-    list[str] | None,
-    typer.Argument(
-        help="Overrides of spec keys, e.g. optim.lr=3e-4 train.max_steps=500.", show_default=False
-    ),
-]
-
-
-@app.command("run", epilog=EXAMPLES, context_settings={"allow_interspersed_args": True})
+@app.command(
+    "run",
+    cls=_RunCommand,
+    hidden=True,
+    epilog=EXAMPLES + "\n" + COMMANDS_HELP,
+    context_settings={"allow_interspersed_args": True},
+)
 def run_command(
     config: ConfigOpt,
     overrides: Overrides = None,
-    accelerator: Annotated[str | None, typer.Option(help=_doc("accelerator"))] = None,
-    devices: Annotated[str | None, typer.Option(help=_doc("devices"))] = None,
-    strategy: Annotated[str | None, typer.Option(help=_doc("strategy"))] = None,
-    max_restarts: Annotated[str | None, typer.Option(help=_doc("max_restarts"))] = None,
-    stall_timeout: Annotated[str | None, typer.Option(help=_doc("stall_timeout"))] = None,
+    accelerator: AcceleratorOpt = None,
+    devices: DevicesOpt = None,
+    strategy: StrategyOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    stall_timeout: StallTimeoutOpt = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -137,14 +181,7 @@ def run_command(
             rich_help_panel="Multi-node",
         ),
     ] = None,
-    strict_compile: Annotated[
-        bool,
-        typer.Option(
-            "--strict-compile",
-            help="XLA: stop the run when a new graph is compiled after warm-up "
-            "(sets xla.strict_compile).",
-        ),
-    ] = False,
+    strict_compile: StrictCompileOpt = False,
     debug: Annotated[
         bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")
     ] = False,
@@ -152,142 +189,39 @@ def run_command(
     """Train: launch one process per device, wrap the model, stream every replica's logs."""
 
     def go() -> int:
-        from launcher.launch.execute import execute
+        from launcher.cli_spec import load_cli_spec_and_sources
         from launcher.launch.nodes import resolve_nodes
-        from launcher.launch.plan import make_plan
 
-        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
-
-        spec = load_cli_spec(
-            config,
-            overrides,
-            strict_compile=strict_compile,
+        flags = dict(
             accelerator=accelerator,
             devices=devices,
             strategy=strategy,
             max_restarts=max_restarts,
             stall_timeout=stall_timeout,
         )
-        _check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
+        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
+        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
+        spec, sources = load_cli_spec_and_sources(config, overrides, strict_compile, **flags)
+        check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
+        from launcher.launch.execute import execute
+        from launcher.launch.plan import make_plan
+
         plan = make_plan(
-            spec, run_dir=run_dir, resume=resume, ranks=ranks, debug=debug, nodes=nodes
+            spec,
+            run_dir=run_dir,
+            resume=resume,
+            ranks=ranks,
+            debug=debug,
+            nodes=nodes,
+            sources=sources,
         )
         return execute(plan)
 
-    raise typer.Exit(_guarded(go, debug))
+    run_guarded(go, debug)
 
 
-@app.command("validate")
-def validate_command(
-    config: ConfigOpt,
-    overrides: Overrides = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
-) -> None:
-    """Check a spec and its recipe: build its datasets, a batch and the model (on the meta
-    device), and report their sizes. Starts no processes."""
-
-    def go() -> int:
-        from launcher.train.recipe_check import dry_build
-
-        summary = dry_build(load_cli_spec(config, overrides))
-        err.print(Text(f"{config}: ok · {summary}"))
-        return 0
-
-    raise typer.Exit(_guarded(go, debug))
-
-
-@app.command("slurm", context_settings={"allow_interspersed_args": True})
-def slurm_command(
-    config: ConfigOpt,
-    nodes: Annotated[int, typer.Option(min=1, help="Nodes to allocate.")],
-    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node.")],
-    overrides: Overrides = None,
-    partition: Annotated[str | None, typer.Option(help="#SBATCH --partition.")] = None,
-    time: Annotated[str | None, typer.Option(help="#SBATCH --time, e.g. 24:00:00.")] = None,
-    account: Annotated[str | None, typer.Option(help="#SBATCH --account.")] = None,
-    cpus_per_task: Annotated[
-        int | None, typer.Option(min=1, help="#SBATCH --cpus-per-task: CPU cores per node.")
-    ] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
-) -> None:
-    """Print an sbatch script that runs this spec on a SLURM cluster and requeues itself when
-    preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
-
-    def go() -> int:
-        from launcher.launch.slurm import sbatch_script
-
-        spec = load_cli_spec(config, overrides)
-        _check_recipe(spec)
-        script = sbatch_script(
-            str(config),
-            nodes,
-            gpus_per_node,
-            spec.run.name,
-            partition=partition,
-            time=time,
-            account=account,
-            cpus_per_task=cpus_per_task,
-            extra_args=list(overrides or []),
-        )
-        sys.stdout.write(script)
-        return 0
-
-    raise typer.Exit(_guarded(go, debug))
-
-
-@app.command("export")
-def export_command(
-    source: Annotated[
-        Path,
-        typer.Argument(
-            help="A checkpoint folder, or a run folder (its newest complete checkpoint).",
-            show_default=False,
-        ),
-    ],
-    out: Annotated[
-        Path,
-        typer.Option(
-            help="The file to write: .safetensors, or .pt/.pth/.bin (torch.save). An existing "
-            "file is never overwritten."
-        ),
-    ],
-    best: Annotated[
-        bool,
-        typer.Option(
-            "--best", help="Export the run's best checkpoint by checkpoint.monitor instead."
-        ),
-    ] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
-) -> None:
-    """Write a checkpoint's model as one file that plain PyTorch loads: the whole, unsharded
-    state_dict, for any strategy and number of processes. Starts no processes."""
-
-    def go() -> int:
-        from launcher.train.export import export
-
-        typer.echo(export(source, out, best=best).describe())
-        return 0
-
-    raise typer.Exit(_guarded(go, debug))
-
-
-def _check_recipe(spec: RunSpec) -> None:
-    """Imports the recipe as the workers will (from the working directory) and checks that it
-    defines what the launcher calls, with arguments its functions take; builds nothing."""
-    from launcher.train.recipe_check import load_checked
-
-    load_checked(spec)
-
-
-def _guarded(fn, debug: bool) -> int:  # type: ignore[no-untyped-def]
-    """Known failures print a short message; a traceback only with --debug."""
-    try:
-        return cli_interrupt.unwinding(fn)
-    except LauncherError as exc:
-        if debug:
-            traceback.print_exc()
-        err.print(Text("error: ", style="bold red") + Text(exc.render()))
-        return exc.exit_code
+for _name, (_command, _line) in COMMANDS.items():
+    app.command(_name, short_help=_line)(_command)
 
 
 def main() -> None:

@@ -14,7 +14,14 @@ def load_cli_spec(
 ) -> RunSpec:
     """The spec `--config` names, with `overrides` and the flags given (`--devices` ...) applied
     by precedence: flag > key=value > YAML > default."""
-    from launcher.spec_loader import load_spec
+    return load_cli_spec_and_sources(config, overrides, strict_compile, **flags)[0]
+
+
+def load_cli_spec_and_sources(
+    config: Path, overrides: list[str] | None, strict_compile: bool = False, **flags: str | None
+) -> tuple[RunSpec, dict[str, str]]:
+    """`load_cli_spec`, and where each given key came from (`launcher.spec_sources`)."""
+    from launcher.spec_loader import load_spec_and_sources
     from launcher.spec_yaml import echo, parse_yaml_value
 
     # Numbers and `null` are read as YAML, as in overrides; names stay strings.
@@ -28,4 +35,4 @@ def load_cli_spec(
         given[f"launch.{key}"] = (flag, value)
     if strict_compile:
         given["xla.strict_compile"] = ("--strict-compile", True)
-    return load_spec(config, overrides or [], flags=given)
+    return load_spec_and_sources(config, overrides or [], flags=given)

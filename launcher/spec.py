@@ -197,6 +197,16 @@ class XLASection(Section):
     )
 
 
+class LogSection(Section):
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files into `<run dir>/tb/` (rank 0, in the "
+        "background): training and `val/*` scalars, lr, throughput, TFLOP/s and memory. "
+        "`tensorboard --logdir runs/` shows every run; no `tensorboard` package is needed to "
+        "write them.",
+    )
+
+
 class RunSpec(Section):
     run: RunSection = Field(
         default_factory=RunSection, description="What the run is called and where it goes."
@@ -225,6 +235,9 @@ class RunSpec(Section):
     xla: XLASection = Field(
         default_factory=XLASection,
         description="Options of the torch_xla strategies `xla`, `xla_spmd` and `xla_fsdp`.",
+    )
+    log: LogSection = Field(
+        default_factory=LogSection, description="What each run records besides its logs."
     )
 
     @model_validator(mode="after")

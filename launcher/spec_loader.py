@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from launcher.errors import UsageError
 from launcher.spec import RunSpec
+from launcher.spec_optim import TORCH_FREE
 from launcher.spec_yaml import clip, echo, parse_yaml_value, read_yaml_file
 
 # Room for a message's own words around what it quotes.
@@ -29,23 +30,48 @@ def load_spec(
 
     Precedence: `flags` ({dotted key: (flag name, value)}) > `overrides` (`key=value`) > YAML.
     """
+    return load_spec_and_sources(path, overrides, flags)[0]
+
+
+def load_spec_and_sources(
+    path: Path,
+    overrides: list[str] | None = None,
+    flags: dict[str, tuple[str, Any]] | None = None,
+    torch_checks: bool = True,
+) -> tuple[RunSpec, dict[str, str]]:
+    """`load_spec`, and where each key that was given came from: {dotted key: "x.yaml:12" |
+    "override k=v (over x.yaml:12)" | "--devices"} (`launcher.spec_sources` shows them).
+    `torch_checks=False` skips the checks that import torch (optimizer names)."""
     raw, where = read_yaml_file(path)
     _require_mapping(raw, source=str(path))  # before overrides are set into it
     _absolutize_recipe(raw, path.parent)
+    sources = {key: f"{path}:{line.removeprefix('line ')}" for key, line in where.items()}
     settings = [(*parse_override(text), f"override {clip(text)}") for text in overrides or []]
     settings += [(key, value, flag) for key, (flag, value) in (flags or {}).items()]
     for key, value, origin in settings:
         _set_dotted(raw, key, value, origin=origin)
         where[key] = origin
+        over = sources.get(key)
+        sources[key] = f"{origin} (over {over})" if over else origin
         if key == "recipe.source":
             _absolutize_recipe(raw, Path.cwd())
-    return validate_spec(raw, source=str(path), where=where)
+    spec = validate_spec(raw, source=str(path), where=where, torch_checks=torch_checks)
+    return spec, sources
 
 
-def validate_spec(raw: Any, source: str, where: dict[str, str] | None = None) -> RunSpec:
+def validate_spec(
+    raw: Any, source: str, where: dict[str, str] | None = None, torch_checks: bool = True
+) -> RunSpec:
     _require_mapping(raw, source)
+    # The checks that need no torch first: a spec's mistakes are reported before torch's
+    # seconds of import, and all of them at once.
+    spec = _validate(raw, source, where, TORCH_FREE)
+    return _validate(raw, source, where, None) if torch_checks else spec
+
+
+def _validate(raw: Any, source: str, where: dict[str, str] | None, context: Any) -> RunSpec:
     try:
-        return RunSpec.model_validate(raw)
+        return RunSpec.model_validate(raw, context=context)
     except ValidationError as exc:
         problems = [_describe(err, where or {}) for err in exc.errors()]
         noun = "problem" if len(problems) == 1 else "problems"

@@ -1,17 +1,33 @@
-"""The `optim` section: it needs torch to check optimizer names and their keyword arguments."""
+"""The `optim` section: it needs torch to check optimizer names and their keyword arguments.
+
+torch is imported only by those checks, and they are skipped when validation runs with
+`TORCH_FREE` as its context: the CLI answers `--help` and reports a spec's other mistakes in a
+fraction of a second, before anything imports torch (seconds).
+"""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+if TYPE_CHECKING:
+    import torch
 
 Schedule = Literal["constant", "cosine"]
 
+# `RunSpec.model_validate(raw, context=TORCH_FREE)`: every check except those that need torch.
+TORCH_FREE = {"torch_free": True}
+
+
+def _skip_torch_checks(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("torch_free"))
+
 
 def _optimizer_names() -> list[str]:
+    import torch
+
     return sorted(
         n
         for n, c in vars(torch.optim).items()
@@ -22,6 +38,8 @@ def _optimizer_names() -> list[str]:
 
 
 def _optimizer_class(name: str) -> type[torch.optim.Optimizer] | None:
+    import torch
+
     cls = getattr(torch.optim, name, None)
     ok = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
     return cls if ok and cls is not torch.optim.Optimizer else None
@@ -63,8 +81,8 @@ class OptimSection(BaseModel):
 
     @field_validator("name")
     @classmethod
-    def _known_optimizer(cls, name: str) -> str:
-        if not _optimizer_class(name):
+    def _known_optimizer(cls, name: str, info: ValidationInfo) -> str:
+        if not _skip_torch_checks(info) and not _optimizer_class(name):
             known = ", ".join(_optimizer_names())
             raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
         return name
@@ -72,6 +90,8 @@ class OptimSection(BaseModel):
     @field_validator("kwargs")
     @classmethod
     def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if _skip_torch_checks(info):
+            return kwargs
         optimizer = _optimizer_class(info.data.get("name", ""))
         if optimizer is None:
             return kwargs  # the name's own error says what is wrong

@@ -5,7 +5,8 @@ Workers write (paths: `launcher.run_layout`):
 - their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
   and save (`step beats pid`): what the launcher's hang watchdog follows;
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
-- rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json).
+- rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json);
+  each metrics record also goes to an optional sink (TensorBoard's event files).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from launcher.run_layout import RunLayout
 
@@ -30,8 +31,24 @@ def read_beat(path: Path) -> tuple[int, int, int] | None:
         return None
 
 
+class MetricsSink(Protocol):
+    """Where rank 0's metrics records also go. `write` must return at once, whatever the
+    disk does: it is called between steps."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Telemetry:
-    def __init__(self, run_dir: Path, rank: int, is_main: bool, attempt: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        is_main: bool,
+        attempt: int = 0,
+        also: MetricsSink | None = None,  # gets every metrics record; closed by close()
+    ) -> None:
         self.rank = rank
         self.is_main = is_main
         self.attempt = attempt
@@ -51,6 +68,7 @@ class Telemetry:
         # One write in place per step: cheap at any step rate, and the file never grows.
         self._beat = os.open(layout.beat(rank), os.O_WRONLY | os.O_CREAT, 0o644)
         self._beats = 0
+        self._also = also
 
     def beat(self, step: int) -> None:
         """The heartbeat: alive, and step `step` is done."""
@@ -83,7 +101,10 @@ class Telemetry:
 
     def metrics(self, **fields: Any) -> None:
         if self._metrics is not None:
-            self._metrics.write(json.dumps({**fields, "time": round(time.time(), 3)}) + "\n")
+            record = {**fields, "time": round(time.time(), 3)}
+            self._metrics.write(json.dumps(record) + "\n")
+            if self._also is not None:
+                self._also.write(record)
 
     def write_summary(self, **fields: Any) -> None:
         if not self.is_main:
@@ -105,6 +126,8 @@ class Telemetry:
         self._status.close()
         if self._metrics is not None:
             self._metrics.close()
+        if self._also is not None:
+            self._also.close()
 
 
 def record_failure(run_dir: Path, rank: int) -> None:

@@ -19,13 +19,14 @@ pytestmark = pytest.mark.launcher_only
 
 PACKAGE = REPO / "launcher"
 MODULES = sorted(PACKAGE.rglob("*.py"))
-# The entry point parses flags, then starts the launch; it checks a recipe as workers load it.
-ENTRY = PACKAGE / "cli.py"
+# The entry points parse flags, then start the launch; they check a recipe as workers load it,
+# and `train export` reads a checkpoint as the workers wrote it.
+ENTRY = {PACKAGE / "cli.py", PACKAGE / "cli_tools.py"}
 
 
 def _room(path: Path) -> str:
     parts = path.relative_to(PACKAGE).parts
-    return parts[0] if len(parts) > 1 and parts[0] in ("launch", "train") else "top"
+    return parts[0] if len(parts) > 1 and parts[0] in ("launch", "train", "runs") else "top"
 
 
 def _imports(path: Path) -> set[str]:
@@ -59,14 +60,18 @@ def test_launch_and_train_never_import_each_other(path: Path) -> None:
         assert "train" not in rooms, f"{path} (runs in `train`) imports the workers' code"
     elif room == "train":
         assert "launch" not in rooms, f"{path} (runs in workers) imports the launcher's code"
-    elif path != ENTRY:
+    elif room == "runs":
+        # `train runs` and `train plot` read run folders in the CLI's process: the launcher's
+        # lock tells a live run, and nothing of the workers' (or torch) is needed.
+        assert "train" not in rooms, f"{path} (reads run folders) imports the workers' code"
+    elif path not in ENTRY:
         assert not rooms, f"{path} is read by both processes and imports {rooms}"
 
 
 # Names of things inside a run folder: only run_layout.py may spell them.
 _RUN_PARTS = re.compile(
     r"^(logs|telemetry|checkpoints|nodes|xla_cache|\.elastic)$"
-    r"|rank-|metrics\.jsonl|summary\.json|spec\.yaml|spec\.resume|stop-request|worker-plan"
+    r"|rank-|metrics\.jsonl|summary\.json|outcome\.json|^tb$|spec\.yaml|spec\.resume|stop-request|worker-plan"
     r"|meta\.json|COMPLETE|\.partial|\.deleting|^\.metadata$|step-\d|step-\{|host-|^node-"
 )
 

@@ -34,6 +34,8 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
     host_index: int = 0  # a TPU pod's host: its processes' ranks come after the hosts before it
     nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
+    # {dotted key: where its value came from}: spec.yaml's comments (launcher.spec_sources)
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def nproc(self) -> int:
@@ -111,6 +113,7 @@ def make_plan(
     ranks: str | None = None,
     debug: bool = False,
     nodes: Nodes | None = None,
+    sources: dict[str, str] | None = None,
 ) -> LaunchPlan:
     nodes = nodes or Nodes()
     # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
@@ -126,7 +129,9 @@ def make_plan(
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
     devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
-    spec, notes = _resolved(spec, accelerator, devices)
+    resolved, notes = _resolved(spec, accelerator, devices)
+    sources = _with_resolved(sources or {}, spec, resolved)
+    spec = resolved
     on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
     run_dir, resume_from = _run_and_resume(spec, nodes, run_dir, resume)
     try:
@@ -145,6 +150,7 @@ def make_plan(
         notes=notes,
         host_index=host_index(os.environ) if on_tpu else 0,
         nodes=nodes,
+        sources=sources,
     )
 
 
@@ -183,6 +189,19 @@ def _resolved(spec: RunSpec, accelerator: str, devices: Devices) -> tuple[RunSpe
             "and XLA would compile the whole step again for it"
         )
     return spec.model_copy(update=update), tuple(notes)
+
+
+def _with_resolved(sources: dict[str, str], given: RunSpec, resolved: RunSpec) -> dict[str, str]:
+    """`sources`, and "resolved at launch" for the keys `_resolved` changed."""
+    out = dict(sources)
+    for section in ("launch", "data"):
+        before, after = getattr(given, section), getattr(resolved, section)
+        for key in type(after).model_fields:
+            dotted, was = f"{section}.{key}", getattr(before, key)
+            if was != getattr(after, key):
+                given_by = f" from {out[dotted]}" if dotted in out else ""
+                out[dotted] = f"resolved at launch (was {was!r}{given_by})"
+    return out
 
 
 def _run_and_resume(

@@ -10,6 +10,13 @@ from launcher.launch import run_choice, run_lock
 from launcher.launch.checkpoint_check import refuse_damaged
 from launcher.launch.plan import LaunchPlan
 from launcher.spec_loader import spec_to_yaml
+from launcher.spec_sources import annotate_yaml
+
+_SPEC_HEADER = """\
+# The spec this run ran with, every key: `train --config` reads it as it is. A comment names
+# where a value came from (file:line, a key=value override, a flag, or resolved at launch);
+# a key without one is at its default.
+"""
 
 
 def prepare_run_dir(plan: LaunchPlan) -> run_lock.RunLock:
@@ -59,7 +66,7 @@ def _write_files(plan: LaunchPlan) -> None:
         plan.node_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--run-dir {plan.run_dir}: cannot write in it ({exc.strerror})") from None
-    text = spec_to_yaml(plan.spec)
+    text = _SPEC_HEADER + annotate_yaml(spec_to_yaml(plan.spec), plan.sources)
     if plan.writes_shared_files:
         # A resumed run keeps the spec it started with, and this attempt's goes beside it;
         # one that never trained is replaced.

@@ -23,6 +23,7 @@ from launcher.train.reporting import Reporter
 from launcher.train.resume import restart_note, restore
 from launcher.train.state import ModelState, Progress, TrainState
 from launcher.train.strategies import Strategy
+from launcher.train.tensorboard import TensorBoardSink
 
 
 class Trainer:
@@ -40,7 +41,8 @@ class Trainer:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
-        self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt)
+        sink = TensorBoardSink.for_rank(spec.log, run_dir, strategy.is_main)
+        self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, also=sink)
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
         self.resume_from = checkpoint.resume_point(run_dir, resume_from, strategy)

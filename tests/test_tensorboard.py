@@ -1,0 +1,210 @@
+"""TensorBoard event files: our writer's files read back by our reader and by TensorBoard's
+own; rank 0 alone writes them during a real run; `log.tensorboard: false` writes none; and
+the background writer never holds up a step, nor fails a run when the disk fails."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from launcher.run_layout import RunLayout
+from launcher.tensorboard_events import (
+    EventWriter,
+    crc32c,
+    encode_event,
+    frame,
+    masked_crc32c,
+    read_records,
+    read_scalars,
+)
+from launcher.train.tensorboard import TensorBoardSink, scalar_tags
+from tests.conftest import only_run_dir, run_train, write_spec
+
+pytestmark = pytest.mark.launcher_only
+
+SCALARS = {
+    -1: {"train/big": 1e39},  # a negative int64, and beyond float32's range: stored as inf
+    5: {"train/loss": 1.25, "train/lr": 0.001},
+    10: {"train/loss": 0.5, "val/loss": 0.75, "train/lr": 3e-4},
+}
+
+
+def _write(directory: Path) -> Path:
+    with closing(EventWriter(directory)) as writer:
+        for step, scalars in SCALARS.items():
+            writer.add_scalars(step, scalars, wall_time=1000.0 + step)
+    return writer.path
+
+
+def _expected() -> list[tuple[int, str, float]]:
+    def f32(v: float) -> float:
+        return float("inf") if v > 3.5e38 else struct.unpack("<f", struct.pack("<f", v))[0]
+
+    return [(s, tag, f32(v)) for s, scalars in SCALARS.items() for tag, v in scalars.items()]
+
+
+def test_crc32c_matches_the_known_vectors() -> None:
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(b"") == 0
+    assert crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720, B.4
+    assert crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert crc32c(bytes(range(32))) == 0x46DD794E
+
+
+def test_records_are_framed_and_checked(tmp_path: Path) -> None:
+    data = encode_event(1.5, 3, {"a": 1.0})
+    record = frame(data)
+    assert struct.unpack("<Q", record[:8]) == (len(data),)
+    assert struct.unpack("<I", record[8:12]) == (masked_crc32c(record[:8]),)
+    assert record[12:-4] == data
+    path = tmp_path / "events"
+    path.write_bytes(record + record[:-3])  # the second record cut short: the file ends there
+    assert list(read_records(path)) == [data]
+    path.write_bytes(record[:-1] + bytes([record[-1] ^ 1]))
+    with pytest.raises(ValueError, match="damaged record"):
+        list(read_records(path))
+
+
+def test_our_reader_reads_what_our_writer_wrote(tmp_path: Path) -> None:
+    path = _write(tmp_path / "tb")
+    assert path.name.startswith("events.out.tfevents.")
+    assert read_scalars(path) == _expected()
+    assert read_scalars(tmp_path / "tb") == _expected()
+    second = _write(tmp_path / "tb")  # a second writer gets a file of its own
+    assert second != path
+    assert read_scalars(tmp_path / "tb") == _expected() * 2
+
+
+def test_tensorboard_reads_what_our_writer_wrote(tmp_path: Path) -> None:
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    ).EventAccumulator
+    _write(tmp_path / "tb")
+    events = accumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.file_version == 2.0
+    assert sorted(events.Tags()["scalars"]) == ["train/big", "train/loss", "train/lr", "val/loss"]
+    got = [(e.step, tag, e.value) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)]
+    assert sorted(got) == sorted(_expected())
+    assert [e.wall_time for e in events.Scalars("train/loss")] == [1005.0, 1010.0]
+
+
+def test_metrics_records_map_to_tags() -> None:
+    train = {"step": 4, "epoch": 0, "lr": 0.1, "samples_per_s": 80, "loss": 0.5, "time": 1.0}
+    assert scalar_tags({**train, "mfu": None, "note": "x", "flag": True}) == {
+        "train/lr": 0.1,
+        "train/samples_per_s": 80.0,
+        "train/loss": 0.5,
+    }
+    evaluation = {"step": 4, "epoch": 0, "eval_s": 0.25, "val/loss": 0.7, "time": 1.0}
+    assert scalar_tags(evaluation) == {"val/eval_s": 0.25, "val/loss": 0.7}
+
+
+class _StuckWriter(EventWriter):
+    """A disk that hangs on every write until the test lets it go."""
+
+    go = threading.Event()
+
+    def add_scalars(self, *args: object, **kwargs: object) -> None:
+        self.go.wait(timeout=30)
+        super().add_scalars(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def _records(n: int) -> list[dict]:
+    return [{"step": s, "loss": 1.0 / s, "time": 1000.0 + s} for s in range(1, n + 1)]
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_disk_never_holds_up_a_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _StuckWriter.go.clear()
+    sink = TensorBoardSink(tmp_path / "tb", writer=_StuckWriter)
+    started = time.monotonic()
+    for record in _records(100):
+        sink.write(record)
+    assert time.monotonic() - started < 1.0  # a logic check: one write would take 30 s
+    _StuckWriter.go.set()
+    sink.close()
+    assert [s for s, _, _ in read_scalars(tmp_path / "tb")] == list(range(1, 101))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.timeout(60)
+def test_a_full_queue_drops_records_and_a_stuck_close_gives_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _StuckWriter.go.clear()
+    sink = TensorBoardSink(tmp_path / "tb", writer=_StuckWriter, capacity=5, close_timeout=0.5)
+    started = time.monotonic()
+    for record in _records(50):
+        sink.write(record)
+    sink.close()
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert err.count("records wait for the disk; dropping new ones") == 1, err
+    assert err.count("still writing after 0.5 s") == 1, err
+    _StuckWriter.go.set()  # lets the daemon thread finish
+
+
+class _BrokenWriter(EventWriter):
+    def add_scalars(self, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_disk_warns_once_and_the_run_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sink = TensorBoardSink(tmp_path / "tb", writer=_BrokenWriter)
+    for record in _records(20):
+        sink.write(record)
+        time.sleep(0.01)
+    sink.close()
+    err = capsys.readouterr().err
+    assert err.count("WARNING: log.tensorboard: could not write") == 1, err
+    assert "No space left on device" in err
+    assert "training goes on" in err
+
+
+@pytest.mark.timeout(300)
+def test_rank_0_alone_writes_the_metrics_of_a_run(tmp_path: Path) -> None:
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        train={"max_steps": 6, "log_every": 2},
+        eval={"every_n_steps": 3},
+        checkpoint={"enabled": False},
+    )
+    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run_dir(tmp_path / "runs")
+    files = list(RunLayout(run).tensorboard_dir.iterdir())
+    assert len(files) == 1, files
+    assert files[0].name.startswith("events.out.tfevents.")
+    got: dict[str, dict[int, float]] = {}
+    for step, tag, value in read_scalars(files[0]):
+        got.setdefault(tag, {})[step] = value
+    assert sorted(got["train/loss"]) == [2, 4, 6]
+    assert sorted(got["val/loss"]) == [3, 6]
+    assert {"train/lr", "train/samples_per_s", "val/mae", "val/eval_s"} <= set(got)
+    # The same numbers as metrics.jsonl, to float32's precision.
+    for line in RunLayout(run).metrics.read_text().splitlines():
+        record = json.loads(line)
+        for tag, value in scalar_tags(record).items():
+            assert got[tag][record["step"]] == pytest.approx(value, rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_log_tensorboard_false_writes_no_events(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "run.yaml", train={"max_steps": 2}, checkpoint={"enabled": False})
+    result = run_train(["--config", str(spec), "log.tensorboard=false"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run_dir(tmp_path / "runs")
+    assert RunLayout(run).metrics.read_text()
+    assert not RunLayout(run).tensorboard_dir.exists()

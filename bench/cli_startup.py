@@ -32,11 +32,8 @@ def _commands(bad: Path, also: list[str]) -> dict[str, list[str]]:
         "train --config x --no-such-flag": [str(TRAIN), "--config", str(bad), "--no-such-flag"],
         "train validate (a spec with a mistake)": [str(TRAIN), "validate", "--config", str(bad)],
     }
-    for i, other in enumerate(also):
-        rows[f"train --help ({other})" if len(also) > 1 else "train --help (before)"] = [
-            other,
-            "--help",
-        ]
+    for other in also:
+        rows[f"train --help ({other})"] = [other, "--help"]
     return rows
 
 
@@ -66,11 +63,16 @@ def main() -> None:
     print(f"{'command':<45} {'median s':>9} {'x python -c pass':>17}")
     for name, values in times.items():
         median = statistics.median(values)
-        rows.append({"command": name, "median_s": round(median, 4), "ratio": round(median / base, 2)})
+        rows.append(
+            {"command": name, "median_s": round(median, 4), "ratio": round(median / base, 2)}
+        )
         print(f"{name:<45} {median:>9.3f} {median / base:>17.1f}")
     out = REPO / "bench" / "results" / "cli_startup.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version()}
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }
     out.write_text(json.dumps({**meta, "repeats": args.repeats, "rows": rows}, indent=1))
     print(f"wrote {out}")
 

@@ -13,6 +13,7 @@ This module is the one owner of the layout; no other module joins run-folder pat
       telemetry/rank-N.failed    when and where a rank failed (the root cause)
       metrics.jsonl              rank 0's metrics, averaged over every rank
       summary.json               rank 0's timings at the end
+      outcome.json               how the run ended: status, exit code, when (the launcher)
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
       nodes/NAME/                a node's (or TPU host's) own files when several share RUN_DIR
       xla_cache/                 XLA's persistent compile cache (TPU)
@@ -108,6 +109,14 @@ class RunLayout:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def outcome(self) -> Path:
+        return self.root / "outcome.json"
 
     @property
     def lock(self) -> Path:
@@ -240,6 +249,7 @@ class RunLayout:
         startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
         startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
+        startup.append(self.outcome)  # an attempt that never trained records its end
         return any(p not in startup for p in self.root.iterdir())
 
 

@@ -21,19 +21,28 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.launch.supervise import SIGNAL_EXIT, NodeView, Outcome, exit_now, supervise
+from launcher.runs.outcome import OutcomeRecorder
 
 
 def execute(plan: LaunchPlan, console: Console | None = None) -> int:
-    """Runs the plan to the end and returns the process exit code."""
+    """Runs the plan to the end and returns the process exit code; the run folder records
+    how it ended (`launcher.runs.outcome`)."""
     # Whatever the user's umask, nothing the run writes (folders, logs, checkpoints, by the
     # launcher or its workers, who inherit this) is writable by other users.
     os.umask(os.umask(0) | 0o002)
     # Locked: this launcher is the run folder's one writer until the run ends.
-    with prepare_run_dir(plan):
-        return _run(plan, console)
+    with (
+        prepare_run_dir(plan),
+        OutcomeRecorder(plan.layout, plan.writes_shared_files) as recorder,
+    ):
+        outcome, code = _run(plan, console)
+        recorder.record(code, *_how_it_ended(outcome, plan))
+    if outcome.at_once:
+        exit_now(code)
+    return code
 
 
-def _run(plan: LaunchPlan, console: Console | None) -> int:
+def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, int]:
     # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
     # Every node removes it before it joins, so never after the run has started.
     plan.layout.stop_request.unlink(missing_ok=True)
@@ -45,10 +54,22 @@ def _run(plan: LaunchPlan, console: Console | None) -> int:
     _announce(plan, console)
     with Reaper() as reaper:  # nothing the run starts outlives it
         outcome = supervise(plan, AgentThread(config, argv), view, console, reaper.pid)
-        code = _conclude(outcome, plan, console)
-    if outcome.at_once:
-        exit_now(code)
-    return code
+        return outcome, _conclude(outcome, plan, console)
+
+
+def _how_it_ended(outcome: Outcome, plan: LaunchPlan) -> tuple[bool, str]:
+    """Whether the run was stopped on request (it resumes; not a failure), and why it ended."""
+    if outcome.stalls:
+        return False, "a rank hung"
+    if isinstance(outcome.error, ChildFailedError):
+        return False, "a rank failed"
+    if isinstance(outcome.error, SignalException):
+        return True, outcome.error.sigval.name
+    if outcome.signals:
+        return True, outcome.signal_name
+    if plan.layout.stop_request.exists():  # another node's Ctrl-C, or a worker's SIGTERM
+        return True, "stop request"
+    return False, ""
 
 
 def _announce(plan: LaunchPlan, console: Console) -> None:

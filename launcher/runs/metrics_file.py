@@ -1,0 +1,84 @@
+"""Reading the JSON-lines files a run writes while it runs (metrics.jsonl, a rank's status
+records) without waiting for it: a line still being written, or cut short by a killed
+process, is skipped, never an error; a missing file holds no records."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Records that describe where a point is, not a metric to draw.
+NOT_METRICS = frozenset({"step", "epoch", "time"})
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every whole record of the file, oldest first."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    return _parse(data.splitlines())
+
+
+def tail_records(path: Path, size: int = 16384) -> list[dict[str, Any]]:
+    """The whole records among the file's last `size` bytes: the newest, read at once from a
+    file of any length."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - size)
+            f.seek(start)
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return _parse(lines[1:] if start else lines)  # the first may be the end of a line
+
+
+def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # half-written, or not JSON at all
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def value(record: dict[str, Any], metric: str) -> float | None:
+    """The record's number for `metric`, or None where it has none (or not a number)."""
+    found = record.get(metric)
+    if isinstance(found, bool) or not isinstance(found, (int, float)):
+        return None
+    return float(found)
+
+
+def metric_names(records: list[dict[str, Any]]) -> list[str]:
+    """The metrics the records hold, in the order they first appear."""
+    names: dict[str, None] = {}
+    for record in records:
+        for key in record:
+            if key not in NOT_METRICS and value(record, key) is not None:
+                names.setdefault(key)
+    return list(names)
+
+
+def series(
+    records: list[dict[str, Any]], metric: str, x: str = "step"
+) -> tuple[list[float], list[float]]:
+    """One metric's curve: by `step` (a step a resumed run did again keeps its newest value)
+    or by `time` (seconds since the first record)."""
+    if x == "time":
+        start = next((value(r, "time") for r in records if value(r, "time") is not None), 0.0)
+        points = [(value(r, "time"), value(r, metric)) for r in records]
+        pairs = [(t - (start or 0.0), y) for t, y in points if t is not None and y is not None]
+    else:
+        newest: dict[float, float] = {}
+        for record in records:
+            step, y = value(record, "step"), value(record, metric)
+            if step is not None and y is not None:
+                newest[step] = y
+        pairs = sorted(newest.items())
+    return [p[0] for p in pairs], [p[1] for p in pairs]

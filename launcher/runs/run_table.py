@@ -1,0 +1,103 @@
+"""`train runs`' output: a table for people, or JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from launcher.runs.catalog import RunRow
+
+_STYLES = {
+    "running": "bold cyan",
+    "finished": "green",
+    "failed": "bold red",
+    "stopped": "yellow",
+    "interrupted": "magenta",
+}
+
+
+def runs_json(rows: list[RunRow]) -> str:
+    return json.dumps([asdict(row) for row in rows], indent=1)
+
+
+def runs_table(rows: list[RunRow]) -> Table:
+    # The evaluation metric is named in its header when every run has the same one.
+    shown = {row.best_val_metric for row in rows if row.best_val_metric}
+    one_metric = shown.pop() if len(shown) == 1 else None
+    columns: dict[str, list[str | Text]] = {
+        "run": [row.name for row in rows],
+        "folder": [Path(row.folder).name for row in rows],
+        "status": [status_text(row) for row in rows],
+        "steps": [_steps(row) for row in rows],
+        "loss": [_number(row.last_loss) for row in rows],
+        "best loss": [_number(row.best_loss) for row in rows],
+        f"best {one_metric or 'val'}": [_best_val(row, one_metric is None) for row in rows],
+        "checkpoint": [_number(row.checkpoint_step) for row in rows],
+        "started": [_when(row.started) for row in rows],
+        "duration": [duration(row.duration_s) for row in rows],
+    }
+    # One line a run, whatever the width: a narrow terminal cuts the names, folders, times and
+    # evaluations short (…), and keeps the status and the numbers whole.
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    cut = ("run", "folder", "started", f"best {one_metric or 'val'}")
+    for header, cells in columns.items():
+        whole = header not in cut
+        table.add_column(
+            header,
+            no_wrap=True,
+            overflow="ellipsis",
+            justify="right" if header in ("steps", "checkpoint", "duration") else "left",
+            min_width=max(len(c) for c in [header, *cells]) if whole else None,
+        )
+    for row in zip(*columns.values(), strict=True):
+        table.add_row(*row)
+    return table
+
+
+def status_text(row: RunRow) -> Text:
+    words = row.status
+    if row.status == "failed" and row.exit_code is not None:
+        words += f" (exit {row.exit_code})"
+    elif row.status == "stopped" and row.reason:
+        words += f" ({row.reason})"
+    return Text(words, style=_STYLES.get(row.status, ""))
+
+
+def _steps(row: RunRow) -> str:
+    if row.step is None:
+        return "-"
+    return f"{row.step}/{row.total_steps if row.total_steps is not None else '?'}"
+
+
+def _number(found: float | None) -> str:
+    return "-" if found is None else f"{found:.4g}"
+
+
+def _best_val(row: RunRow, named: bool) -> str:
+    if row.best_val is None:
+        return "-"
+    at = f" @{row.best_val_step}" if row.best_val_step is not None else ""
+    return f"{row.best_val_metric} " * named + f"{row.best_val:.4g}{at}"
+
+
+def _when(unix: float | None) -> str:
+    return "-" if unix is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(unix))
+
+
+def duration(seconds: float | None) -> str:
+    """`42s`, `3m05s`, `2h07m`, `3d04h`."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

@@ -1,0 +1,237 @@
+"""`train runs` and `train plot`, on real runs of the launcher: one that finishes, one whose
+rank fails, and one listed while it runs and then stopped with Ctrl-C. The three run at once,
+once for the module; each test reads them (or a copy it changes) through the CLI, as a user
+or a script does."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.runs.plot import DPI, FIGURE_WIDTH, PANEL_HEIGHT
+from tests.conftest import (
+    FAULTY_RECIPE,
+    REPO,
+    finish_train,
+    start_train,
+    usage_error,
+    wait_for_step,
+    write_spec,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="no matplotlib here"
+)
+needs_plotext = pytest.mark.skipif(
+    importlib.util.find_spec("plotext") is None, reason="no plotext here"
+)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`train ARGS`, as `python -m launcher.cli`, in the repo (its recipes import from it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200", "LINES": "50", **(env or {})},
+    )
+
+
+def listed(output_dir: Path, *args: str) -> dict[str, dict]:
+    """`train runs --json`, by run name."""
+    result = cli("runs", "--output-dir", str(output_dir), "--json", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {row["name"]: row for row in json.loads(result.stdout)}
+
+
+def _spec(folder: Path, name: str, output_dir: Path, **sections: dict) -> list[str]:
+    folder.mkdir()
+    (folder / "faulty.py").write_text(FAULTY_RECIPE)
+    run = {"name": name, "output_dir": str(output_dir)}
+    spec = write_spec(folder / "run.yaml", run=run, launch={"devices": 1}, **sections)
+    return ["--config", str(spec)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    """The output folder of three runs, and `train runs --json` while the third ran."""
+    top = tmp_path_factory.mktemp("runs_view")
+    out = top / "runs"
+    faulty = {"recipe": {"source": "faulty.py", "dataset": {}}}
+    good = _spec(
+        top / "good",
+        "good",
+        out,
+        train={"max_steps": 8, "log_every": 1},
+        eval={"every_n_steps": 4},
+        checkpoint={"every_n_steps": 4, "monitor": "val/loss"},
+    )
+    bad = _spec(top / "bad", "bad", out, train={"max_steps": 8, "log_every": 1}, **faulty)
+    slow = _spec(top / "slow", "slow", out, train={"max_steps": 1000, "log_every": 1}, **faulty)
+    slow_dir = out / "slow" / "r1"
+    procs = [
+        (start_train(good, top / "good"), top / "good"),
+        (start_train(bad, top / "bad", {"FAULT": "raise", "FAULT_RANK": "0"}), top / "bad"),
+        (
+            start_train(
+                [*slow, "--run-dir", str(slow_dir), "checkpoint.every_n_steps=2"],
+                top / "slow",
+                {"FAULT": "slow", "FAULT_RANK": "0"},
+            ),
+            top / "slow",
+        ),
+    ]
+    try:
+        codes = [finish_train(proc, cwd).returncode for proc, cwd in procs[:2]]
+        assert codes == [0, 1], codes
+        slow_proc = procs[2][0]
+        wait_for_step(slow_dir, 0, 3, slow_proc)
+        while_running = listed(out)
+        os.kill(slow_proc.pid, signal.SIGINT)
+        assert finish_train(slow_proc, top / "slow").returncode == 130
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return out, while_running
+
+
+def test_statuses_of_finished_failed_running_and_stopped_runs(runs: tuple[Path, dict]) -> None:
+    out, while_running = runs
+    running = while_running["slow"]
+    assert running["status"] == "running" and running["exit_code"] is None
+    assert running["step"] >= 3 and running["total_steps"] == 1000
+    assert running["ended"] is None and running["duration_s"] > 0
+
+    rows = listed(out)
+    assert {n: (r["status"], r["exit_code"]) for n, r in rows.items()} == {
+        "good": ("finished", 0),
+        "bad": ("failed", 1),
+        "slow": ("stopped", 130),
+    }
+    assert rows["slow"]["reason"] == "SIGINT" and rows["bad"]["reason"] == "a rank failed"
+    table = cli("runs", "--output-dir", str(out))
+    assert table.returncode == 0, table.stderr
+    lines = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert "finished" in lines["good"] and "8/8" in lines["good"]
+    assert "best val/loss" in table.stdout  # the metric every run is kept by
+    assert "failed (exit 1)" in lines["bad"]
+    assert "stopped (SIGINT)" in lines["slow"] and "/1000" in lines["slow"]
+
+
+def test_json_fields_name_filter_and_config(runs: tuple[Path, dict]) -> None:
+    out, _ = runs
+    good = listed(out, "good")
+    assert list(good) == ["good"]
+    row = good["good"]
+    metrics = [json.loads(line) for line in (Path(row["folder"]) / "metrics.jsonl").open()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    vals = [(m["val/loss"], m["step"]) for m in metrics if "val/loss" in m]
+    assert (row["step"], row["total_steps"]) == (8, 8)
+    assert row["last_loss"] == losses[-1] and row["best_loss"] == min(losses)
+    assert (row["best_val_metric"], row["best_val"], row["best_val_step"]) == (
+        "val/loss",
+        *min(vals),
+    )
+    assert row["checkpoint"].endswith("step-00000008") and row["checkpoint_step"] == 8
+    assert row["started"] <= row["ended"] and row["duration_s"] > 0
+    # With --config: its output folder, and its run's name.
+    by_config = cli("runs", "--config", str(out.parent / "bad" / "run.yaml"), "--json")
+    assert [r["name"] for r in json.loads(by_config.stdout)] == ["bad"], by_config.stderr
+    nothing = cli("runs", "--output-dir", str(out), "nosuch")
+    assert nothing.returncode == 0 and "no runs of 'nosuch'" in nothing.stderr
+    usage_error(cli("runs", "--output-dir", str(out / "nosuch")), "no such folder")
+
+
+def test_a_half_written_line_and_a_silent_end(runs: tuple[Path, dict], tmp_path: Path) -> None:
+    """A run whose launcher was killed (no outcome, no lock held) mid-write."""
+    out, _ = runs
+    good = Path(listed(out, "good")["good"]["folder"])
+    lost = tmp_path / "runs" / "lost" / good.name
+    shutil.copytree(good, lost)
+    (lost / "outcome.json").unlink()
+    with (lost / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 9, "loss": 0.0')  # cut short, as a kill leaves it
+    row = listed(tmp_path / "runs")["lost"]
+    assert row["status"] == "interrupted" and row["exit_code"] is None
+    assert row["step"] == 8 and row["best_loss"] > 0.0
+    assert row["ended"] is not None
+
+
+def test_listing_runs_does_not_import_torch(runs: tuple[Path, dict]) -> None:
+    out, _ = runs
+    check = (
+        "import sys\nfrom launcher.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check, "runs", "--output-dir", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "no torch", result.stdout
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@needs_matplotlib
+def test_plot_writes_a_png_of_every_run(runs: tuple[Path, dict], tmp_path: Path) -> None:
+    out, _ = runs
+    rows = listed(out)
+    png = tmp_path / "curves.png"
+    folders = [rows["good"]["folder"], rows["slow"]["folder"]]
+    result = cli("plot", *folders, "--metric", "loss,val/loss", "--metric", "lr", "--out", str(png))
+    assert result.returncode == 0, result.stderr
+    # Two panels: loss with val/loss, and lr.
+    assert _png_size(png) == (round(FIGURE_WIDTH * DPI), round(2 * PANEL_HEIGHT * DPI))
+    by_time = cli("plot", folders[0], "--x", "time", "--out", str(png))
+    assert by_time.returncode == 0, by_time.stderr
+    assert _png_size(png) == (round(FIGURE_WIDTH * DPI), round(PANEL_HEIGHT * DPI))
+
+
+@needs_plotext
+def test_plot_in_the_terminal(runs: tuple[Path, dict]) -> None:
+    out, _ = runs
+    result = cli("plot", listed(out, "good")["good"]["folder"], env={"COLUMNS": "90"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) >= 10 and "val/loss" in result.stdout and "step" in result.stdout
+    assert max(map(len, lines)) <= 90
+    assert "\x1b[" not in result.stdout  # not a terminal: no colour codes
+
+
+def test_plot_refuses_a_missing_metric_a_folder_and_a_missing_package(
+    runs: tuple[Path, dict], tmp_path: Path
+) -> None:
+    out, _ = runs
+    folder = listed(out, "bad")["bad"]["folder"]
+    usage_error(cli("plot", folder, "--metric", "val/loss"), "--metric val/loss", "Available: ")
+    usage_error(cli("plot", folder, str(tmp_path)), f"{tmp_path}: not a run folder")
+    for package in ("matplotlib", "plotext"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("raise ImportError('not here')\n")
+    blocked = {"PYTHONPATH": str(tmp_path)}
+    usage_error(cli("plot", folder, "--out", str(tmp_path / "x.png"), env=blocked), "[viz]")
+    usage_error(cli("plot", folder, env=blocked), "plotext")

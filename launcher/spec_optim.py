@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 Schedule = Literal["constant", "cosine"]
 
+_DEFAULT_OPTIMIZER = "AdamW"
+
 # `RunSpec.model_validate(raw, context=TORCH_FREE)`: every check except those that need torch.
 TORCH_FREE = {"torch_free": True}
 
@@ -55,7 +57,8 @@ class OptimSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     name: str = Field(
-        "AdamW", description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …)."
+        _DEFAULT_OPTIMIZER,
+        description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …).",
     )
     lr: float = Field(
         1e-3, ge=0, description="Peak learning rate (0 leaves the weights as they are)."
@@ -82,7 +85,11 @@ class OptimSection(BaseModel):
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, name: str, info: ValidationInfo) -> str:
-        if not _skip_torch_checks(info) and not _optimizer_class(name):
+        # The default is in every torch we run on, and a spec without an `optim` section builds
+        # it with no validation context: no torch for it.
+        if name == _DEFAULT_OPTIMIZER or _skip_torch_checks(info):
+            return name
+        if not _optimizer_class(name):
             known = ", ".join(_optimizer_names())
             raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
         return name
@@ -90,7 +97,7 @@ class OptimSection(BaseModel):
     @field_validator("kwargs")
     @classmethod
     def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if _skip_torch_checks(info):
+        if not kwargs or _skip_torch_checks(info):
             return kwargs
         optimizer = _optimizer_class(info.data.get("name", ""))
         if optimizer is None:

@@ -39,7 +39,9 @@ sys.exit(code)
 """
 
 
-def _train(args: list[str], cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+def _train(
+    args: list[str], cwd: Path = REPO, env: dict | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", _PROBE, *args],
         cwd=cwd,
@@ -68,11 +70,19 @@ def bad_spec(tmp_path: Path) -> Path:
         (["--config", "configs/quickstart.yaml", "optim.lr"], 2),
         (["validate", "--config", "BAD"], 2),
         (["--config", "BAD"], 2),
+        (["validate", "--config", "MINIMAL_BAD"], 2),
+        (["--config", "MINIMAL_BAD"], 2),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
 )
-def test_it_answers_without_importing_torch(args: list[str], code: int, bad_spec: Path) -> None:
-    args = [str(bad_spec) if a == "BAD" else a for a in args]
+def test_it_answers_without_importing_torch(
+    args: list[str], code: int, bad_spec: Path, tmp_path: Path
+) -> None:
+    # Without an `optim` section, its default is built with no validation context.
+    minimal = tmp_path / "minimal.yaml"
+    minimal.write_text(f"recipe: {{source: {REPO}/recipes/mlp.py}}\ntrain: {{max_steps: -1}}\n")
+    given = {"BAD": str(bad_spec), "MINIMAL_BAD": str(minimal)}
+    args = [given.get(a, a) for a in args]
     result = _train(args)
     assert result.returncode == code, result.stdout + result.stderr
     assert result.stderr.rstrip().endswith("NO-TORCH"), result.stderr[-2000:]
@@ -167,10 +177,14 @@ def test_spec_yaml_says_where_each_value_came_from_and_reads_back(tmp_path: Path
     prepare_run_dir(plan)
     saved = RunLayout(plan.run_dir).spec
     text = saved.read_text()
-    assert re.search(r"^  lr: 0\.5  # override optim\.lr=0\.5 \(over .*run\.yaml:\d+\)$", text, re.M)
+    assert re.search(
+        r"^  lr: 0\.5  # override optim\.lr=0\.5 \(over .*run\.yaml:\d+\)$", text, re.M
+    )
     assert re.search(r"^  strategy: ddp  # --strategy \(over .*run\.yaml:\d+\)$", text, re.M)
     assert re.search(r"^  seed: 0$", text, re.M) and re.search(r"^optim:$", text, re.M)
-    assert re.search(r"^  accelerator: cpu  # resolved at launch \(was 'auto' from .*\)$", text, re.M)
+    assert re.search(
+        r"^  accelerator: cpu  # resolved at launch \(was 'auto' from .*\)$", text, re.M
+    )
     assert re.search(rf"^  max_steps: \d+  # {re.escape(str(config))}:\d+$", text, re.M)
     assert load_spec(saved) == plan.spec  # the comments change nothing it says
 
@@ -180,7 +194,9 @@ def test_demo_tells_how_to_put_train_on_the_path() -> None:
     demo = makefile[makefile.index("\ndemo:") :].split("\n\n")[0]
     assert "source .venv/bin/activate" in demo
     readme = (REPO / "README.md").read_text()
-    assert readme.index("source .venv/bin/activate") < readme.index("## ", readme.index("make demo"))
+    assert readme.index("source .venv/bin/activate") < readme.index(
+        "## ", readme.index("make demo")
+    )
 
 
 def test_the_readme_shows_each_commands_usage_line() -> None:

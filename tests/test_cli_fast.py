@@ -199,15 +199,14 @@ def test_demo_tells_how_to_put_train_on_the_path() -> None:
     )
 
 
-def test_the_readme_shows_each_commands_usage_line() -> None:
+def test_the_readme_shows_each_commands_help_first_lines() -> None:
     from launcher.cli import COMMANDS
 
     readme = (REPO / "README.md").read_text()
     assert "Usage: train [OPTIONS] [KEY=VALUE]..." in readme
     for name in COMMANDS:
-        usage = next(
-            line.strip()
-            for line in _train([name, "--help"]).stdout.splitlines()
-            if line.strip().startswith("Usage:")
-        )
-        assert usage in readme, f"README.md lacks `{usage}`"
+        lines = [line.strip() for line in _train([name, "--help"]).stdout.splitlines()]
+        usage = next(i for i, line in enumerate(lines) if line.startswith("Usage:"))
+        first = next(line for line in lines[usage + 1 :] if line)
+        assert lines[usage] in readme, f"README.md lacks `{lines[usage]}`"
+        assert first in readme, f"README.md lacks `train {name} --help`'s first line: {first}"

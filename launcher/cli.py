@@ -64,6 +64,10 @@ Examples:
   train --config my_run.yaml --resume latest
 
   train --config my_run.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29500 --rdzv-id exp42
+
+  train validate --config my_run.yaml --explain     (check it; where each value came from)
+
+  train runs     (every run: status, steps, losses)
 """
 
 COMMANDS_HELP = "Commands (train COMMAND --help):\n\n" + "\n\n".join(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from launcher import cli_interrupt  # noqa: F401  (first: Ctrl-C during the imports below)
 
 # isort: split
+import difflib
 import os
 import sys
 from collections.abc import Callable
@@ -70,8 +71,10 @@ Examples:
   train runs     (every run: status, steps, losses)
 """
 
-COMMANDS_HELP = "Commands (train COMMAND --help):\n\n" + "\n\n".join(
-    f"  {name:<9} {line}" for name, (_, line) in COMMANDS.items()
+COMMANDS_HELP = (
+    "Commands (train COMMAND --help):\n\n"
+    + "\n\n".join(f"  {name:<9} {line}" for name, (_, line) in COMMANDS.items())
+    + "\n\nShell completion: train --install-completion (or --show-completion to see it)."
 )
 
 # The group's own options, which stay with it rather than go to the run command.
@@ -86,6 +89,12 @@ class _DefaultToRun(TyperGroup):
         own = (
             args[0] in self.commands or args[0] in _GROUP_OPTIONS if args else ctx.resilient_parsing
         )
+        if not own and args and not args[0].startswith("-") and "=" not in args[0]:
+            # `train valdate ...` is a typo of a command, not an override the run would refuse.
+            shown = [name for name, command in self.commands.items() if not command.hidden]
+            close = difflib.get_close_matches(args[0], shown, n=1)
+            if close:
+                ctx.fail(f"no command {args[0]!r}; did you mean `train {close[0]}`?")
         return super().parse_args(ctx, args if own else ["run", *args])
 
     def shell_complete(self, ctx: typer.Context, incomplete: str) -> list[Any]:

@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+from launcher.errors import INTERRUPTED
 
 
 def _exit_quietly(signum: int, frame: object) -> None:

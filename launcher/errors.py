@@ -7,6 +7,8 @@ traceback.
 
 from __future__ import annotations
 
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT: Ctrl-C's exit code
+
 
 class LauncherError(Exception):
     exit_code = 1

@@ -63,8 +63,10 @@ def validate_spec(
     raw: Any, source: str, where: dict[str, str] | None = None, torch_checks: bool = True
 ) -> RunSpec:
     _require_mapping(raw, source)
-    # The checks that need no torch first: a spec's mistakes are reported before torch's
-    # seconds of import, and all of them at once.
+    # The checks that need no torch first: a spec's mistakes are reported, all at once, before
+    # torch's seconds of import. Those that need it (optimizer names) come once these pass: a
+    # spec with both kinds of mistake is told of them in two rounds, for a CLI that answers at
+    # once.
     spec = _validate(raw, source, where, TORCH_FREE)
     return _validate(raw, source, where, None) if torch_checks else spec
 
@@ -92,7 +94,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def spec_to_yaml(spec: RunSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json", by_alias=True), sort_keys=False)
+    # Unwrapped: a long string stays on its key's line, where spec.yaml's comment can follow it.
+    data = spec.model_dump(mode="json", by_alias=True)
+    return yaml.safe_dump(data, sort_keys=False, width=10**9)
 
 
 def _require_mapping(raw: Any, source: str) -> None:

@@ -7,10 +7,10 @@ sources themselves are collected by `launcher.spec_loader.load_spec_and_sources`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -43,28 +43,51 @@ def explain_text(spec: RunSpec, sources: Mapping[str, str]) -> str:
         return "Every key is at its default."
     width = max(len(key) for key, _, _ in rows)
     shown = [(key, _show(value)) for key, value, _ in rows]
-    vwidth = min(40, max(len(v) for _, v in shown))
-    lines = ["Keys not at their default, and where each came from:"]
+    vwidth = max(len(v) for _, v in shown)
+    lines = ["Keys given or not at their default, and where each value came from:"]
     for (key, value), (_, _, source) in zip(shown, rows, strict=True):
         lines.append(f"  {key:<{width}}  {value:<{vwidth}}  {source}")
     return "\n".join(lines)
 
 
+def changed_keys(given: BaseModel, resolved: BaseModel) -> dict[str, Any]:
+    """{dotted key: its value in `given`} for each key whose value `resolved` changed."""
+    before = {key: value for key, value, _ in _leaves(given, "")}
+    return {key: before[key] for key, value, _ in _leaves(resolved, "") if before[key] != value}
+
+
 def annotate_yaml(text: str, sources: Mapping[str, str]) -> str:
-    """`text` (a spec as `spec_to_yaml` writes it: block style, two-space indents) with
-    `# <source>` after each key that has one."""
-    out, path = [], []
-    for line in text.splitlines():
-        match = re.match(r"^( *)([A-Za-z_][\w]*):( |$)", line)
-        if match is None:
-            out.append(line)
-            continue
-        depth = len(match.group(1)) // 2
-        path = [*path[:depth], match.group(2)]
-        source = sources.get(".".join(path))
-        # A section's own line says nothing its keys' lines do not.
-        out.append(f"{line}  # {source}" if source and match.group(3) else line)
+    """`text` (a spec as `spec_to_yaml` writes it) with `# <source>` after each key that has
+    one, or on a line of its own above a key whose value takes several lines (a list, a long
+    string): a comment never lands inside a value."""
+    lines = text.splitlines()
+    after: dict[int, str] = {}  # line -> the comment at its end
+    above: dict[int, list[str]] = {}  # line -> comment lines before it
+    for key, key_node, value_node in _key_nodes(yaml.compose(text), ""):
+        source = sources.get(key)
+        inner = any(k.startswith(key + ".") for k in sources)
+        if source is None or (isinstance(value_node, yaml.MappingNode) and inner):
+            continue  # a section's (or a mapping's) keys carry their own
+        line = key_node.start_mark.line
+        if value_node.end_mark.line == line:
+            after[line] = source
+        else:
+            indent = " " * key_node.start_mark.column
+            above.setdefault(line, []).append(f"{indent}# {key.rsplit('.', 1)[-1]}: {source}")
+    out = []
+    for i, line in enumerate(lines):
+        out += above.get(i, [])
+        out.append(f"{line}  # {after[i]}" if i in after else line)
     return "\n".join(out) + "\n"
+
+
+def _key_nodes(node: yaml.Node | None, prefix: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        yield key, key_node, value_node
+        yield from _key_nodes(value_node, key + ".")
 
 
 def _leaves(model: BaseModel, prefix: str) -> Iterator[tuple[str, Any, Any]]:
@@ -88,19 +111,12 @@ def _source_of(key: str, sources: Mapping[str, str]) -> str | None:
         for k, v in sources.items()
         if k.startswith(key + ".") and (not own or v.startswith(_GIVEN))
     ]
-    return "; ".join(own + inside) or _section_source(key, sources)
-
-
-def _section_source(key: str, sources: Mapping[str, str]) -> str | None:
-    """A whole section set by an override or a flag (`optim={lr: 1}`) sets each key in it."""
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        source = sources.get(".".join(parts[:i]))
-        if source is not None and source.startswith(_GIVEN):
-            return source
-    return None
+    return "; ".join(own + inside) or None
 
 
 def _show(value: Any) -> str:
-    text = repr(value) if not isinstance(value, str) else value
-    return text if len(text) <= 40 else text[:37] + "..."
+    """A value as YAML writes it in flow style (`true`, `null`, `{in_dim: 16}`); a long one
+    keeps its end, where a path has its file name."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+    text = text.removesuffix("\n...").removesuffix("...").strip()
+    return text if len(text) <= 48 else "..." + text[-45:]

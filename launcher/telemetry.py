@@ -21,6 +21,9 @@ from typing import Any, Protocol
 
 from launcher.run_layout import RunLayout
 
+# The fields of a metrics record that say where a point is (its x axes), not a metric.
+NOT_METRICS = frozenset({"step", "epoch", "time"})
+
 
 def read_beat(path: Path) -> tuple[int, int, int] | None:
     """(step, beats, pid) from a heartbeat file, or None while there is none."""
@@ -122,12 +125,14 @@ class Telemetry:
         self.layout.summary.write_text(json.dumps(summary, indent=1))
 
     def close(self) -> None:
+        # The sink first: it never raises, and a file that fails to close (a full disk) must
+        # not cost the events still queued.
+        if self._also is not None:
+            self._also.close()
         os.close(self._beat)
         self._status.close()
         if self._metrics is not None:
             self._metrics.close()
-        if self._also is not None:
-            self._also.close()
 
 
 def record_failure(run_dir: Path, rank: int) -> None:

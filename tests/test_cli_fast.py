@@ -210,3 +210,41 @@ def test_the_readme_shows_each_commands_help_first_lines() -> None:
         first = next(line for line in lines[usage + 1 :] if line)
         assert lines[usage] in readme, f"README.md lacks `{lines[usage]}`"
         assert first in readme, f"README.md lacks `train {name} --help`'s first line: {first}"
+
+
+def test_spec_yaml_comments_never_land_inside_a_value() -> None:
+    from launcher.spec import RunSpec
+    from launcher.spec_loader import spec_to_yaml
+    from launcher.spec_sources import annotate_yaml
+
+    long, lines = "word " * 40, "a: b\nc: d\n"  # wrapped, and quoted over several lines
+    spec = RunSpec.model_validate(
+        {
+            "recipe": {"source": "r.py", "model": {"note": long, "text": lines}},
+            "train": {"max_steps": 3},
+            "fsdp": {"wrap": ["Block", "Other"]},
+        }
+    )
+    sources = {
+        "recipe.model.note": "x.yaml:6",
+        "recipe.model.text": "override recipe.model.text=...",
+        "fsdp.wrap": "override fsdp.wrap=[Block, Other]",
+        "train.max_steps": "x.yaml:9",
+    }
+    text = annotate_yaml(spec_to_yaml(spec), sources)
+    assert RunSpec.model_validate(yaml.safe_load(text)) == spec
+    assert re.search(r"^    note: '?word .*  # x\.yaml:6$", text, re.M)
+    assert re.search(r"^    # text: override recipe\.model\.text=\.\.\.\n    text: ", text, re.M)
+    assert re.search(
+        r"^  # wrap: override fsdp\.wrap=\[Block, Other\]\n  wrap:\n  - Block", text, re.M
+    )
+    assert re.search(r"^  max_steps: 3  # x\.yaml:9$", text, re.M)
+
+
+def test_a_mistyped_command_is_named_with_the_one_meant() -> None:
+    result = _train(["valdate", "--config", "run.yaml"])
+    assert result.returncode == 2
+    assert "no command 'valdate'; did you mean `train validate`?" in result.stderr
+    # An override is not taken for a command.
+    result = _train(["--config", "no.yaml", "optim.lr=1"])
+    assert result.returncode == 2 and "no command" not in result.stderr

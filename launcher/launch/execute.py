@@ -8,6 +8,7 @@ One process per device, started by the same elastic agent that torchrun uses; ea
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from rich.console import Console
 from rich.text import Text
@@ -21,12 +22,12 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.launch.supervise import SIGNAL_EXIT, NodeView, Outcome, exit_now, supervise
-from launcher.runs.outcome import OutcomeRecorder
+from launcher.run_outcome import OutcomeRecorder
 
 
 def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     """Runs the plan to the end and returns the process exit code; the run folder records
-    how it ended (`launcher.runs.outcome`)."""
+    how it ended (`launcher.run_outcome`)."""
     # Whatever the user's umask, nothing the run writes (folders, logs, checkpoints, by the
     # launcher or its workers, who inherit this) is writable by other users.
     os.umask(os.umask(0) | 0o002)
@@ -35,14 +36,22 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> int:
         prepare_run_dir(plan),
         OutcomeRecorder(plan.layout, plan.writes_shared_files) as recorder,
     ):
-        outcome, code = _run(plan, console)
-        recorder.record(code, *_how_it_ended(outcome, plan))
+        outcome, ending = _run(plan, console)
+        recorder.record(*ending)
     if outcome.at_once:
-        exit_now(code)
-    return code
+        exit_now(ending.code)
+    return ending.code
 
 
-def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, int]:
+class Ending(NamedTuple):
+    """What the launcher said at the end, as `outcome.json` records it."""
+
+    code: int
+    stopped: bool = False  # on request (a signal, a stop request): it resumes; not a failure
+    reason: str = ""
+
+
+def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, Ending]:
     # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
     # Every node removes it before it joins, so never after the run has started.
     plan.layout.stop_request.unlink(missing_ok=True)
@@ -55,21 +64,6 @@ def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, int]:
     with Reaper() as reaper:  # nothing the run starts outlives it
         outcome = supervise(plan, AgentThread(config, argv), view, console, reaper.pid)
         return outcome, _conclude(outcome, plan, console)
-
-
-def _how_it_ended(outcome: Outcome, plan: LaunchPlan) -> tuple[bool, str]:
-    """Whether the run was stopped on request (it resumes; not a failure), and why it ended."""
-    if outcome.stalls:
-        return False, "a rank hung"
-    if isinstance(outcome.error, ChildFailedError):
-        return False, "a rank failed"
-    if isinstance(outcome.error, SignalException):
-        return True, outcome.error.sigval.name
-    if outcome.signals:
-        return True, outcome.signal_name
-    if plan.layout.stop_request.exists():  # another node's Ctrl-C, or a worker's SIGTERM
-        return True, "stop request"
-    return False, ""
 
 
 def _announce(plan: LaunchPlan, console: Console) -> None:
@@ -86,11 +80,11 @@ def _announce(plan: LaunchPlan, console: Console) -> None:
         console.print(plan.nodes.describe(), highlight=False, soft_wrap=True)
 
 
-def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
+def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
     logs = plan.layout.logs
     if outcome.signals >= 2:
         console.print(f"stopped at once by a second {outcome.signal_name}; logs in {logs}")
-        return outcome.exit_code_of_signal
+        return Ending(outcome.exit_code_of_signal, True, outcome.signal_name)
     if outcome.untrained:
         console.print(
             f"stopped by {outcome.signal_name} before the first step: nothing to save; "
@@ -98,15 +92,17 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
             highlight=False,
             soft_wrap=True,
         )
-        return outcome.exit_code_of_signal
+        return Ending(outcome.exit_code_of_signal, True, outcome.signal_name)
     if outcome.stalls:
-        return failure_report.report_stall(outcome.stalls, plan, console)
+        return Ending(
+            failure_report.report_stall(outcome.stalls, plan, console), False, "a rank hung"
+        )
     error = outcome.error
     if isinstance(error, ChildFailedError):
-        return failure_report.report_failure(error, plan, console)
+        return Ending(failure_report.report_failure(error, plan, console), False, "a rank failed")
     if isinstance(error, SignalException):  # a signal the agent took (e.g. SIGHUP)
         console.print(f"stopped by {error.sigval.name}; logs in {logs}")
-        return SIGNAL_EXIT.get(error.sigval.name, 1)
+        return Ending(SIGNAL_EXIT.get(error.sigval.name, 1), True, error.sigval.name)
     if error is not None:  # the rendezvous or the agent itself, not a worker
         failure_report.explain_rendezvous_error(error, plan)
         raise RunError(
@@ -116,9 +112,10 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
     # A stop asked for elsewhere: a worker's own SIGTERM (SLURM signals every process), or
     # another node's Ctrl-C when the nodes share the run folder.
     if outcome.signals or plan.layout.stop_request.exists():
-        return _stopped(outcome, plan, console)
+        reason = outcome.signal_name if outcome.signals else "stop request"
+        return Ending(_stopped(outcome, plan, console), True, reason)
     console.print(f"finished: {plan.run_dir}", highlight=False, soft_wrap=True)
-    return 0
+    return Ending(0)
 
 
 def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:

@@ -17,6 +17,7 @@ from launcher.launch.ranks import parse_ranks
 from launcher.launch.tpu_pod import host_index
 from launcher.run_layout import RunLayout
 from launcher.spec import RunSpec
+from launcher.spec_sources import changed_keys
 from launcher.strategy_registry import strategy_info, worker_env
 from launcher.worker_plan import WorkerPlan
 
@@ -192,15 +193,11 @@ def _resolved(spec: RunSpec, accelerator: str, devices: Devices) -> tuple[RunSpe
 
 
 def _with_resolved(sources: dict[str, str], given: RunSpec, resolved: RunSpec) -> dict[str, str]:
-    """`sources`, and "resolved at launch" for the keys `_resolved` changed."""
+    """`sources`, and "resolved at launch" for each key `_resolved` changed."""
     out = dict(sources)
-    for section in ("launch", "data"):
-        before, after = getattr(given, section), getattr(resolved, section)
-        for key in type(after).model_fields:
-            dotted, was = f"{section}.{key}", getattr(before, key)
-            if was != getattr(after, key):
-                given_by = f" from {out[dotted]}" if dotted in out else ""
-                out[dotted] = f"resolved at launch (was {was!r}{given_by})"
+    for key, was in changed_keys(given, resolved).items():
+        given_by = f" from {out[key]}" if key in out else ""
+        out[key] = f"resolved at launch (was {was!r}{given_by})"
     return out
 
 

@@ -3,7 +3,7 @@ what `train runs` says of each: its status, progress, losses, best evaluation, n
 checkpoint and times. Everything is read from the run folder's files, never by asking torch.
 
 A run is `running` while a launcher holds its lock (however old it is); else its launcher's
-record says how it ended (`launcher.runs.outcome`); else it ended without a word (its
+record says how it ended (`launcher.run_outcome`); else it ended without a word (its
 launcher was killed, or its machine lost): `interrupted`. `unknown`: the file system cannot
 tell whether the lock is held (no flock), and the run recorded no end.
 """
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from launcher.errors import LauncherError
 from launcher.launch.run_lock import is_held
 from launcher.run_layout import RunLayout, step_of
+from launcher.run_outcome import RunOutcome, read_outcome
 from launcher.runs.metrics_file import read_records, tail_records, value
-from launcher.runs.outcome import RunOutcome, read_outcome
 from launcher.telemetry import read_beat
 
 if TYPE_CHECKING:

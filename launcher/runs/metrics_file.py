@@ -9,8 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Records that describe where a point is, not a metric to draw.
-NOT_METRICS = frozenset({"step", "epoch", "time"})
+from launcher.telemetry import NOT_METRICS
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""How a run ended, as its launcher records it in the run folder (`RunLayout.outcome`):
+"""How a run ended, as its launcher records it in the run folder (`RunLayout.outcome`); the
+launcher (`launch/execute.py`) writes it, `train runs` (`launcher/runs/`) reads it:
 
     {"status": "finished", "exit_code": 0, "reason": "", "started": 1795597465.1,
      "ended": 1795597466.5, "host": "node01", "pid": 3660}
@@ -23,10 +24,8 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from launcher.errors import LauncherError
+from launcher.errors import INTERRUPTED, LauncherError
 from launcher.run_layout import RunLayout
-
-STOP_EXIT = 130  # the launcher's code for a Ctrl-C (`launcher.cli_interrupt.INTERRUPTED`)
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class OutcomeRecorder:
         if self.done or kind is None:
             return
         if issubclass(kind, KeyboardInterrupt):
-            self.record(STOP_EXIT, stopped=True, reason="SIGINT")
+            self.record(INTERRUPTED, stopped=True, reason="SIGINT")
         elif isinstance(error, LauncherError):
             self.record(error.exit_code, reason=error.message.splitlines()[0][:200])
         else:

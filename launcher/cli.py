@@ -205,16 +205,18 @@ def run_command(
         from launcher.cli_spec import load_cli_spec_and_sources
         from launcher.launch.nodes import resolve_nodes
 
-        flags = dict(
+        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
+        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
+        spec, sources = load_cli_spec_and_sources(
+            config,
+            overrides,
+            strict_compile,
             accelerator=accelerator,
             devices=devices,
             strategy=strategy,
             max_restarts=max_restarts,
             stall_timeout=stall_timeout,
         )
-        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
-        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
-        spec, sources = load_cli_spec_and_sources(config, overrides, strict_compile, **flags)
         check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
         from launcher.launch.execute import execute
         from launcher.launch.plan import make_plan

@@ -21,20 +21,17 @@ from launcher.errors import LauncherError
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def guarded(fn: Callable[[], int], debug: bool) -> int:
-    """Known failures print a short message; a traceback only with --debug."""
+def run_guarded(fn: Callable[[], int], debug: bool) -> None:
+    """Runs a command's body and exits with its code. Known failures print a short message;
+    a traceback only with --debug."""
     try:
-        return cli_interrupt.unwinding(fn)
+        code = cli_interrupt.unwinding(fn)
     except LauncherError as exc:
         if debug:
             traceback.print_exc()
         err.print(Text("error: ", style="bold red") + Text(exc.render()))
-        return exc.exit_code
-
-
-def run_guarded(fn: Callable[[], int], debug: bool) -> None:
-    """Runs a command's body and exits with its code."""
-    raise typer.Exit(guarded(fn, debug))
+        code = exc.exit_code
+    raise typer.Exit(code)
 
 
 def flag_help(key: str) -> str:

@@ -55,15 +55,17 @@ def validate_command(
     def go() -> int:
         from launcher.cli_spec import load_cli_spec_and_sources
 
-        flags = dict(
+        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
+        spec, sources = load_cli_spec_and_sources(
+            config,
+            overrides,
+            strict_compile,
             accelerator=accelerator,
             devices=devices,
             strategy=strategy,
             max_restarts=max_restarts,
             stall_timeout=stall_timeout,
         )
-        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
-        spec, sources = load_cli_spec_and_sources(config, overrides, strict_compile, **flags)
         if explain:
             from launcher.spec_sources import explain_text
 

@@ -217,7 +217,10 @@ class RunSpec(Section):
     recipe: RecipeSection = Field(..., description="The user's model, data and loss.")
     data: DataSection = Field(default_factory=DataSection, description="How batches are made.")
     optim: OptimSection = Field(
-        default_factory=OptimSection, description="Optimizer and learning-rate schedule."
+        # Built from its declared defaults, unvalidated: a factory's validation gets no context,
+        # so the default's torch checks would import torch in a torch-free pass.
+        default_factory=OptimSection.model_construct,
+        description="Optimizer and learning-rate schedule.",
     )
     train: TrainSection = Field(..., description="How long and how to step.")
     checkpoint: CheckpointSection = Field(

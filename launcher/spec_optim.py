@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 
 Schedule = Literal["constant", "cosine"]
 
-_DEFAULT_OPTIMIZER = "AdamW"
-
 # `RunSpec.model_validate(raw, context=TORCH_FREE)`: every check except those that need torch.
 TORCH_FREE = {"torch_free": True}
 
@@ -57,7 +55,7 @@ class OptimSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     name: str = Field(
-        _DEFAULT_OPTIMIZER,
+        "AdamW",
         description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …).",
     )
     lr: float = Field(
@@ -85,11 +83,7 @@ class OptimSection(BaseModel):
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, name: str, info: ValidationInfo) -> str:
-        # The default is in every torch we run on, and a spec without an `optim` section builds
-        # it with no validation context: no torch for it.
-        if name == _DEFAULT_OPTIMIZER or _skip_torch_checks(info):
-            return name
-        if not _optimizer_class(name):
+        if not _skip_torch_checks(info) and not _optimizer_class(name):
             known = ", ".join(_optimizer_names())
             raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
         return name

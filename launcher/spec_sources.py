@@ -41,12 +41,11 @@ def explain_text(spec: RunSpec, sources: Mapping[str, str]) -> str:
     rows = explain(spec, sources)
     if not rows:
         return "Every key is at its default."
-    width = max(len(key) for key, _, _ in rows)
-    shown = [(key, _show(value)) for key, value, _ in rows]
-    vwidth = max(len(v) for _, v in shown)
+    shown = [(key, _show(value), source) for key, value, source in rows]
+    width = max(len(key) for key, _, _ in shown)
+    vwidth = max(len(value) for _, value, _ in shown)
     lines = ["Keys given or not at their default, and where each value came from:"]
-    for (key, value), (_, _, source) in zip(shown, rows, strict=True):
-        lines.append(f"  {key:<{width}}  {value:<{vwidth}}  {source}")
+    lines += [f"  {key:<{width}}  {value:<{vwidth}}  {source}" for key, value, source in shown]
     return "\n".join(lines)
 
 

@@ -25,6 +25,11 @@ from launcher.run_layout import RunLayout
 NOT_METRICS = frozenset({"step", "epoch", "time"})
 
 
+def is_number(value: Any) -> bool:
+    """Whether a record's field holds a number (JSON's `true` is a bool, not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def read_beat(path: Path) -> tuple[int, int, int] | None:
     """(step, beats, pid) from a heartbeat file, or None while there is none."""
     try:

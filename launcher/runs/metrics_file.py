@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from launcher.telemetry import NOT_METRICS
+from launcher.telemetry import NOT_METRICS, is_number
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -49,9 +49,7 @@ def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
 def value(record: dict[str, Any], metric: str) -> float | None:
     """The record's number for `metric`, or None where it has none (or not a number)."""
     found = record.get(metric)
-    if isinstance(found, bool) or not isinstance(found, (int, float)):
-        return None
-    return float(found)
+    return float(found) if is_number(found) else None
 
 
 def metric_names(records: list[dict[str, Any]]) -> list[str]:

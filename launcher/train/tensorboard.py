@@ -20,7 +20,7 @@ from typing import Any
 
 from launcher.run_layout import RunLayout
 from launcher.spec import LogSection
-from launcher.telemetry import NOT_METRICS
+from launcher.telemetry import NOT_METRICS, is_number
 from launcher.tensorboard_events import EventWriter
 
 # An evaluation's own timing goes with its metrics, not under train/.
@@ -33,7 +33,7 @@ def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
     memory); the step, epoch, time and anything not a number are left out."""
     tags = {}
     for key, value in record.items():
-        if key in NOT_METRICS or isinstance(value, bool) or not isinstance(value, int | float):
+        if key in NOT_METRICS or not is_number(value):
             continue
         tag = _RENAMED.get(key) or (key if key.startswith("val/") else f"train/{key}")
         tags[tag] = float(value)

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from launcher.launch.display.lines import rank_style
 from launcher.launch.ranks import format_ranks
+from launcher.telemetry import is_number
 
 FIELDS = (
     "step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt",
@@ -41,11 +42,7 @@ def parse_telemetry(line: str) -> dict[str, float]:
         return {}
     if not isinstance(record, dict):
         return {}
-    return {
-        key: record[key]
-        for key in FIELDS
-        if isinstance(record.get(key), int | float) and not isinstance(record[key], bool)
-    }
+    return {key: record[key] for key in FIELDS if is_number(record.get(key))}
 
 
 class TelemetryBoard:

@@ -2,6 +2,7 @@
 
     python bench/checkpoint_blocking.py
     python bench/checkpoint_blocking.py --gpu    # one GPU: the 86M GPT, block 1024, bf16
+    python bench/checkpoint_blocking.py --smoke  # a few tiny saves, to see it runs
 
 Trains the gpt recipe (about 5M parameters, ~60 MB of model and AdamW state) on 2 CPU
 processes with a checkpoint every 10 steps, once with each mode, and reads the time each
@@ -38,6 +39,13 @@ GPU = [
     "recipe.dataset.block_size=1024",
 ]
 
+SMOKE = [
+    "recipe.model={n_layer: 2, n_head: 2, n_embd: 32, block_size: 32}",
+    "recipe.dataset.block_size=32",
+    "train.max_steps=15",
+    "checkpoint.every_n_steps=5",
+]
+
 
 def run(mode_async: bool, folder: Path, extra: list[str]) -> dict:
     run_dir = folder / ("async" if mode_async else "sync")
@@ -64,8 +72,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/checkpoint_blocking.json")
     parser.add_argument("--gpu", action="store_true", help="one GPU, the 86M GPT")
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT, 2 saves")
     args = parser.parse_args()
-    extra = GPU if args.gpu else []
+    extra = GPU if args.gpu else SMOKE if args.smoke else []
     with tempfile.TemporaryDirectory() as tmp:
         results = {"sync": run(False, Path(tmp), extra), "async": run(True, Path(tmp), extra)}
     ratio = results["async"]["blocked_ms_median"] / results["sync"]["blocked_ms_median"]

@@ -50,8 +50,11 @@ class CommandFailed(RuntimeError):
     pass
 
 
-def run_command(argv: list[str], env: dict[str, str], timeout: float) -> tuple[float, float]:
-    """Run ``argv`` from the repo root; return (start unix time, wall seconds)."""
+def run_command(
+    argv: list[str], env: dict[str, str], timeout: float, log: Path | None = None
+) -> tuple[float, float]:
+    """Run ``argv`` from the repo root; return (start unix time, wall seconds). ``log`` gets
+    its output, whatever the outcome."""
     # A new session lets a timeout kill torchrun's workers too, not only torchrun itself.
     start = time.time()
     proc = subprocess.Popen(
@@ -63,13 +66,16 @@ def run_command(argv: list[str], env: dict[str, str], timeout: float) -> tuple[f
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    reason = None
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         reason = f"timed out after {timeout:.0f} s"
-    else:
+    if log is not None:
+        log.write_text(stdout + stderr)
+    if reason is None:
         if proc.returncode == 0:
             return start, time.time() - start
         reason = f"exit code {proc.returncode}"

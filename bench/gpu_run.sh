@@ -26,6 +26,8 @@ site=$(mktemp -d /tmp/launcher-site.XXXXXX)
 }
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
 "$python" -c "import pydantic, typer, rich, yaml, psutil, safetensors, torch, launcher.cli" || exit 1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+    --format=csv,noheader | tee "$out/nvidia_smi.txt"
 if [ "${1:-}" = "--checkpoints" ]; then
     exec "$python" bench/checkpoint_blocking.py --gpu --out "$out/checkpoint_blocking_gpu.json"
 fi

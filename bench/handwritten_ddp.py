@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--max-bytes", type=int, default=gpt.DEFAULT_MAX_BYTES)
     parser.add_argument("--fsdp", action="store_true", help="fully_shard instead of DDP")
     parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this")
@@ -52,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-ddp", action="store_true", help="one process, no wrapper")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--fused", action="store_true", help="fused AdamW")
+    parser.add_argument("--profile-steps", type=int, default=0, help="trace the last N steps")
+    parser.add_argument("--trace", type=Path, help="rank 0's Chrome trace (--profile-steps)")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -68,7 +71,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     model = gpt.build_model(
-        block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
     ).to(device)
     if args.compile:
         model.compile()
@@ -101,7 +108,10 @@ def main() -> None:
     batches = iter(loader)
     step_times: list[float] = []
     first_step_end_unix = None
-    for _ in range(args.steps):
+    profiler = None
+    for step in range(args.steps):
+        if step == args.steps - args.profile_steps and rank == 0 and args.trace:
+            profiler = start_profile(cuda)
         start = time.perf_counter()
         try:
             batch = next(batches)
@@ -121,6 +131,11 @@ def main() -> None:
         if first_step_end_unix is None:
             first_step_end_unix = time.time()
         optimizer.zero_grad(set_to_none=True)
+    if profiler is not None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(str(args.trace))
 
     if rank == 0:
         summary = {
@@ -138,6 +153,16 @@ def main() -> None:
         median_ms = 1000 * statistics.median(step_times)
         print(f"{len(step_times)} steps, median {median_ms:.1f} ms/step, loss {loss.item():.4f}")
     dist.destroy_process_group()
+
+
+def start_profile(cuda: bool) -> torch.profiler.profile:
+    """The launcher's `train.profile` settings, so that the two traces compare."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    started = profile(activities=activities, record_shapes=True, profile_memory=True)
+    started.__enter__()
+    return started
 
 
 if __name__ == "__main__":

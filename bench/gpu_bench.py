@@ -128,6 +128,19 @@ def rows(smoke: bool) -> list[dict]:
     return out
 
 
+def diagnosis_rows(smoke: bool) -> list[dict]:
+    """`--diagnose`: the async checkpoint row, then the fsdp gap taken apart: the hand-written
+    `fully_shard` loop with one of the launcher's differences at a time, and ours."""
+    big = SMOKE if smoke else BIG
+    out = [{"name": CHECKPOINTS, "kind": "checkpoints"}]
+    for name, extra in (("", []), (" + fused AdamW", ["--fused"]), (" + meta init", ["--meta-init"]),
+                        (" + the launcher's grad norm", ["--launcher-norm"])):  # fmt: skip
+        out.append({"name": f"diagnose: hand-written fully_shard{name}, batch 16", "kind": "hand",
+                    "args": HAND_FSDP + extra})  # fmt: skip
+    out.append({"name": "diagnose: ours fsdp, batch 16", "kind": "ours", **FSDP_BF16})
+    return [{**row, "model": big, "batch": 16, "compared": False, "profile": False} for row in out]
+
+
 def run_order(chosen: list[dict]) -> list[dict]:
     """The rows the targets compare first, then the checkpoints, so that a budget cut leaves
     the others out."""
@@ -250,7 +263,9 @@ def measure(row: dict, args: argparse.Namespace, timeout: float, peak: float | N
             try:
                 summary = runner(row, args.steps, args.device, Path(folder), timeout)
             finally:
-                found = keep_artifacts(Path(folder), args.traces, slug(row["name"]))
+                found = keep_artifacts(
+                    Path(folder), args.traces, slug(row["name"]), args.out.parent / "traces.tar"
+                )
     except CommandFailed as err:
         print(err, flush=True)
         return {"failed": failure_reason(str(err)), "artifacts": found}
@@ -261,7 +276,7 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
-def keep_artifacts(folder: Path, traces: Path, name: str) -> dict[str, int]:
+def keep_artifacts(folder: Path, traces: Path, name: str, tar_path: Path) -> dict[str, int]:
     """The row's output, trace (gzipped) and CUDA memory snapshot, into traces.tar beside the
     JSON (the device tool brings back a few files of at most 16 MiB, not folders); their
     names and sizes, as the run wrote them."""
@@ -280,7 +295,7 @@ def keep_artifacts(folder: Path, traces: Path, name: str) -> dict[str, int]:
     if sum(f.stat().st_size for f in traces.rglob("*") if f.is_file()) > TAR_LIMIT:
         for big in (kept / "trace.json.gz", *kept.glob("*.pickle")):
             big.unlink(missing_ok=True)  # over what comes back: the figures and logs matter more
-    with tarfile.open(traces.with_suffix(".tar"), "w") as tar:
+    with tarfile.open(tar_path, "w") as tar:
         tar.add(traces, arcname=traces.name)
     return found
 
@@ -331,6 +346,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny rows on CPU, 4 steps each")
     parser.add_argument("--only", default="", help="rows whose name holds this text")
+    parser.add_argument("--diagnose", action="store_true", help="the fsdp gap taken apart")
     parser.add_argument("--steps", type=int, help="steps per row (50; 4 with --smoke)")
     parser.add_argument("--warmup", type=int, help="first steps left out (10; 1 with --smoke)")
     parser.add_argument("--budget-s", type=float, help="start no row after this (520 on GPU)")
@@ -341,7 +357,7 @@ def parse_args() -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
     args.budget_s = args.budget_s or (math.inf if args.smoke else 520.0)
     args.out = args.out or Path(os.environ.get("OUT") or REPO / "bench/results") / "gpu_bench.json"
-    args.traces = args.out.parent / "traces"
+    args.traces = Path(tempfile.mkdtemp(prefix="gpu-bench-kept-")) / "traces"
     if args.steps <= args.warmup + PROFILED_STEPS:
         parser.error(f"--steps ({args.steps}) must exceed --warmup + {PROFILED_STEPS}")
     if not args.smoke and not torch.cuda.is_available():
@@ -354,7 +370,8 @@ def main() -> None:
     started = time.monotonic()
     name = torch.cuda.get_device_name() if args.device == "cuda" else None
     peak = peak_flops(name, "bf16" if name else "fp32", True)
-    names = [row["name"] for row in rows(args.smoke) if args.only in row["name"]]
+    every = diagnosis_rows(args.smoke) if args.diagnose else rows(args.smoke)
+    names = [row["name"] for row in every if args.only in row["name"]]
     record = {
         "device": name or "CPU", "peak_flops": peak, "torch": torch.__version__,
         "lightning": lightning_version(), "steps": args.steps, "warmup": args.warmup,
@@ -363,7 +380,7 @@ def main() -> None:
     }  # fmt: skip
     results = record["results"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for row in run_order([row for row in rows(args.smoke) if row["name"] in names]):
+    for row in run_order([row for row in every if row["name"] in names]):
         left = args.budget_s - (time.monotonic() - started)
         print(f"== {row['name']} ({time.monotonic() - started:.0f} s in)", flush=True)
         if left < 20:

@@ -53,6 +53,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-ddp", action="store_true", help="one process, no wrapper")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--fused", action="store_true", help="fused AdamW")
+    # Diagnoses of the fsdp gap (bench/gpu_bench.py --diagnose): one of the launcher's
+    # differences at a time, added to this loop.
+    parser.add_argument("--meta-init", action="store_true", help="fsdp: build on meta, to_empty")
+    parser.add_argument("--launcher-norm", action="store_true", help="the launcher's grad norm")
     parser.add_argument("--profile-steps", type=int, default=0, help="trace the last N steps")
     parser.add_argument("--trace", type=Path, help="rank 0's Chrome trace (--profile-steps)")
     parser.add_argument("--out", type=Path, required=True)
@@ -70,13 +74,16 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
 
-    model = gpt.build_model(
-        vocab_size=args.vocab_size,
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-    ).to(device)
+    with torch.device("meta" if args.meta_init else "cpu"):
+        model = gpt.build_model(
+            vocab_size=args.vocab_size,
+            block_size=args.block_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_embd=args.n_embd,
+        )
+    if not args.meta_init:
+        model.to(device)
     if args.compile:
         model.compile()
     if args.fsdp:
@@ -87,6 +94,9 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
+        if args.meta_init:
+            model.to_empty(device=device)
+            model.init_weights()
     elif not args.no_ddp:
         model = DDP(model, device_ids=[device.index] if cuda else None)
     dataset = gpt.build_dataset("train", block_size=args.block_size, max_bytes=args.max_bytes)
@@ -124,7 +134,11 @@ def main() -> None:
         with autocast:
             loss = gpt.loss(model, batch)
         loss.backward()
-        if args.clip is not None:
+        if args.launcher_norm:
+            from launcher.train.strategies.base import gradient_norm
+
+            gradient_norm(model, args.clip)
+        elif args.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         step_times.append(time.perf_counter() - start)

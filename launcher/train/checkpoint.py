@@ -49,6 +49,11 @@ def resume_point(run_dir: Path, requested: Path | None, strategy: Strategy) -> P
     return strategy.from_main(latest_complete(run_dir) or requested)
 
 
+# A background save still writing when the next one starts, for longer than this, is worth
+# a warning: shorter waits are noise next to a step.
+SLOW_WRITE_S = 0.05
+
+
 @dataclass
 class _Pending:
     step: int
@@ -86,6 +91,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.use_async = use_async
         self._pending: _Pending | None = None
+        self._said_slow = False  # the warning that saves outpace the storage, once a run
         self._staging: Any = None  # the background copy of the state, while it runs
         self._group = strategy.checkpoint_group() if use_async else None
         self._stager = _background_stager(strategy.device.type) if use_async else None
@@ -98,7 +104,7 @@ class Checkpointer:
         rank_state = self.train.rank_state_dict()
         meta = {**self.train.state_dict(), "step": step, "time": time.time()}
         state = self.model.state_dict()
-        self.wait()
+        self._wait_for_previous(step)
         staging = self.layout.staging(step)
         with failing_save(self.layout, step):
             if self.strategy.is_main:
@@ -129,6 +135,24 @@ class Checkpointer:
                 )
             self._publish(staging, self.layout.checkpoint(step), meta)
         self.strategy.barrier()
+
+    def _wait_for_previous(self, step: int) -> None:
+        """`wait`, saying once when a background save was still writing: saves that come
+        faster than the storage writes them block training as sync saves would."""
+        pending = self._pending
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        if pending is None or waited < SLOW_WRITE_S or self._said_slow or not self.strategy.is_main:
+            return
+        self._said_slow = True
+        print(
+            f"WARNING: checkpoint: the save at step {step} waited {waited:.1f} s for the one at "
+            f"step {pending.step} to finish writing: saves come faster than the storage takes "
+            "them, so training waits as it would for a sync save. Raise "
+            "checkpoint.every_n_steps (or use faster storage).",
+            flush=True,
+        )
 
     def _fresh_stager(self) -> Any:
         # torch 2.11's DefaultStager closes its inner stager after every staging, clearing

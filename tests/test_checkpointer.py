@@ -133,3 +133,49 @@ def test_metadata_cannot_reach_through_an_allowed_module(tmp_path: Path) -> None
     (tmp_path / ".metadata").write_bytes(payload)
     with pytest.raises(UsageError, match="corrupt or unsafe checkpoint metadata"):
         read_metadata(tmp_path)
+
+
+def _staged_buffers(saver) -> dict[int, int]:  # type: ignore[no-untyped-def]
+    """The host copies the background stager keeps for the next save: source storage -> copy's
+    address (torch's StateDictStager's own cache; empty where it drops them)."""
+    cache = saver._stager._state_dict_stager._cached_storage_mapping
+    return {id(source): copy.data_ptr() for source, copy in cache.items()}
+
+
+@pytest.mark.smoke  # torch 2.11's DefaultStager dropped its buffers after every staging
+@pytest.mark.timeout(120)
+def test_background_saves_stage_into_the_same_buffers(tmp_path: Path, strategy) -> None:
+    weights = torch.randn(1024 * 1024)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(weights, requires_grad=False)
+    saver = _saver(strategy, tmp_path, {"model": {"w": weights}}, model, use_async=True)
+    if saver._stager is None:
+        pytest.skip("this torch has no background stager")
+    kept = []
+    for step in (1, 2):
+        saver.save(step)
+        saver.wait()
+        kept.append(_staged_buffers(saver))
+    saver.close()
+    assert kept[0], "the stager kept no copy of the weights for the next save"
+    assert kept[1] == kept[0]  # the second save copied into the first one's buffers
+    saved = _load(RunLayout(tmp_path).checkpoint(2), weights, strategy)
+    assert torch.equal(saved, weights)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_waits_for_the_last_ones_write_says_so(
+    tmp_path: Path, strategy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights = torch.zeros(256 * 1024 * 1024 // 4)  # 256 MB: its write outlasts the next call
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(weights, requires_grad=False)
+    saver = _saver(strategy, tmp_path, {"model": {"w": weights}}, model, use_async=True)
+    saver.save(1)
+    saver.save(2)  # at once: the first save is still writing
+    saver.save(3)
+    saver.close()
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1  # once a run
+    assert "the save at step 2 waited" in out and "for the one at step 1" in out
+    assert "checkpoint.every_n_steps" in out

@@ -1,7 +1,9 @@
-"""The launcher against hand-written loops and Lightning on one GPU (issue 17's targets).
+"""The launcher against hand-written loops and Lightning on one GPU (issues 17 and 32).
 
     bash bench/gpu_run.sh                      # on a lent GPU machine (BENCHMARKS.md): every row
     python bench/gpu_bench.py --only compiled  # rows whose name holds this text
+    python bench/gpu_bench.py --diagnose       # the fsdp gap one difference at a time
+    python bench/gpu_bench.py --repeat 3       # each row 3 times, round-robin; the median run
     python bench/gpu_bench.py --smoke          # here, on CPU: every row tiny, to see it works
 
 Rows, on the GPT recipe at 86M parameters (12 x 768, block 1024) in bf16, batches 16 and 32:
@@ -11,15 +13,18 @@ at batch 32 also the best hand-written loop (no DDP, fused AdamW, torch.compile)
 embeddings; the recipe does not tie them); fsdp at batch 16: ours against hand-written
 `fully_shard`, both gathering bf16 parameters, without and with clipping at 1.0; the tiny GPT
 (0.9M) at batch 64: hand-written DDP, no DDP, Lightning and ours; and async against sync
-checkpoint saves (bench/checkpoint_blocking.py --gpu). The rows the targets compare trace their
-last steps (ours with `train.profile`, the hand-written loop with the same profiler settings),
-which the timing leaves out; the traces, gzipped, and each run's output go to traces.tar. Each row runs in its own processes; it gives the median ms/step
-after the warm-up steps, tokens/s, TFLOP/s, MFU (FLOPs counted once per model and batch with
-the launcher's `count_flops`, the same count for every row; the peak from its table) and peak
-GPU memory allocated. Prints a markdown table and the target ratios; writes the JSON to $OUT
-(the device machine's) or bench/results/, after every row. A row that fails, or that the time
-budget (--budget-s) leaves no room for, is recorded as such and the others go on (the rows the
-targets compare first), so that one 10-minute device call ends with a table.
+checkpoint saves (bench/checkpoint_blocking.py --gpu).
+
+Each row runs in its own processes; it gives the median ms/step after the warm-up steps,
+tokens/s, TFLOP/s, MFU (FLOPs counted once per model and batch with the launcher's
+`count_flops`, the same count for every row; the peak from its table) and peak GPU memory
+allocated. The rows the targets compare trace their last steps (ours with `train.profile`,
+the hand-written loop with the same profiler settings), which every row's timing leaves out;
+the traces (gzipped), memory snapshots and each run's output go to traces.tar. Prints a
+markdown table and the target ratios; writes the JSON to $OUT (the device machine's) or
+bench/results/, after every run. A row that fails, or that the time budget (--budget-s)
+leaves no room for, is recorded as such and the others go on (the rows the targets compare
+first), so that one 10-minute device call ends with a table.
 """
 
 from __future__ import annotations
@@ -253,7 +258,7 @@ def figures(row: dict, summary: dict, warmup: int, peak: float | None) -> dict:
     return {**out, **({"launcher_reported": reported} if reported else {})}
 
 
-def measure(row: dict, args: argparse.Namespace, timeout: float, peak: float | None) -> dict:
+def measure(row: dict, args: argparse.Namespace, timeout: float, *, peak: float | None) -> dict:
     """The row's figures, or why it has none ({"skipped": ...} or {"failed": ...})."""
     if row["kind"] == "lightning" and not lightning_version():
         return {"skipped": "Lightning not installed"}
@@ -347,6 +352,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny rows on CPU, 4 steps each")
     parser.add_argument("--only", default="", help="rows whose name holds this text")
     parser.add_argument("--diagnose", action="store_true", help="the fsdp gap taken apart")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row, round-robin")
     parser.add_argument("--steps", type=int, help="steps per row (50; 4 with --smoke)")
     parser.add_argument("--warmup", type=int, help="first steps left out (10; 1 with --smoke)")
     parser.add_argument("--budget-s", type=float, help="start no row after this (520 on GPU)")
@@ -367,31 +373,54 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    started = time.monotonic()
     name = torch.cuda.get_device_name() if args.device == "cuda" else None
     peak = peak_flops(name, "bf16" if name else "fp32", True)
     every = diagnosis_rows(args.smoke) if args.diagnose else rows(args.smoke)
-    names = [row["name"] for row in every if args.only in row["name"]]
+    chosen = [row for row in every if args.only in row["name"]]
     record = {
         "device": name or "CPU", "peak_flops": peak, "torch": torch.__version__,
         "lightning": lightning_version(), "steps": args.steps, "warmup": args.warmup,
+        "repeat": args.repeat,
         "models": {"big": SMOKE if args.smoke else BIG, "tiny": SMOKE if args.smoke else TINY},
         "results": {}, "ratios": {},
     }  # fmt: skip
-    results = record["results"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for row in run_order([row for row in every if row["name"] in names]):
-        left = args.budget_s - (time.monotonic() - started)
-        print(f"== {row['name']} ({time.monotonic() - started:.0f} s in)", flush=True)
-        if left < 20:
-            results[row["name"]] = {"skipped": f"out of the {args.budget_s:.0f} s budget"}
-        else:
-            results[row["name"]] = measure(row, args, min(left, ROW_LIMIT_S), peak)
-        record["ratios"] = ratios(results)
-        args.out.write_text(json.dumps(record, indent=1))
-    print(
-        f"\n{record['device']}, torch {torch.__version__}, {record['lightning'] or 'no Lightning'}"
-    )
+    run_rows(run_order(chosen), args, record)
+    report([row["name"] for row in chosen], record, args)
+
+
+def run_rows(order: list[dict], args: argparse.Namespace, record: dict) -> None:
+    """Each row `--repeat` times, round-robin (a host-bound row's step time moves by 15%
+    between two processes of the same loop); a row's figures are those of its median run.
+    The JSON is rewritten after every run."""
+    started = time.monotonic()
+    results, runs = record["results"], {row["name"]: [] for row in order}
+    for _ in range(args.repeat):
+        for row in order:
+            left = args.budget_s - (time.monotonic() - started)
+            print(f"== {row['name']} ({time.monotonic() - started:.0f} s in)", flush=True)
+            if left < 20:
+                runs[row["name"]].append({"skipped": f"out of the {args.budget_s:.0f} s budget"})
+            else:
+                measured = measure(row, args, min(left, ROW_LIMIT_S), peak=record["peak_flops"])
+                runs[row["name"]].append(measured)
+            results[row["name"]] = median_run(runs[row["name"]])
+            record["ratios"] = ratios(results)
+            args.out.write_text(json.dumps(record, indent=1))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median step time, with every run's; else the first run's failure."""
+    timed = sorted((r for r in runs if "ms_per_step" in r), key=lambda r: r["ms_per_step"])
+    if not timed:
+        return runs[0]
+    middle = timed[(len(timed) - 1) // 2]
+    return {**middle, "ms_per_step_runs": [r.get("ms_per_step") for r in runs]}
+
+
+def report(names: list[str], record: dict, args: argparse.Namespace) -> None:
+    results, peak = record["results"], record["peak_flops"]
+    print(f"\n{record['device']}, torch {record['torch']}, {record['lightning'] or 'no Lightning'}")
     print(f"{args.steps} steps per row, median after the first {args.warmup}; peak {peak or '-'}")
     print(table([n for n in names if n in results and n != CHECKPOINTS], results))
     for key, r in record["ratios"].items():
@@ -410,7 +439,7 @@ def main() -> None:
         print(f"{CHECKPOINTS}: {results[CHECKPOINTS]}")
     if args.smoke:
         print("(smoke: tiny rows, a few CPU steps; the figures show it runs, not how fast)")
-    print(f"wrote {args.out} ({time.monotonic() - started:.0f} s)")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

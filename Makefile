@@ -90,4 +90,4 @@ clean:
 	rm -rf $(VENV) $(VENV_XLA) .venv-torch* build *.egg-info
 
 docs: env
-	$(VENV)/bin/python -m launcher.spec_docs --write
+	$(VENV)/bin/python -m launcher.config.reference --write

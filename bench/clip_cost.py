@@ -1,5 +1,5 @@
 """What gradient clipping costs under FSDP2: torch's `clip_grad_norm_` over DTensor gradients
-against the launcher's local-shard norm and clip (launcher/train/strategies/grad_norm.py).
+against the launcher's local-shard norm and clip (launcher/parallel/grad_norm.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/clip_cost.py
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launcher.train.strategies.base import gradient_norm  # noqa: E402
+from launcher.parallel.base import gradient_norm  # noqa: E402
 from recipes import gpt  # noqa: E402
 
 CALLS = 50

@@ -9,7 +9,7 @@ gradients, and the clipping call alone (issue 17). `make bench` runs it.
    steps and clipping.
 2. bench/clip_cost.py under torchrun: torch's `clip_grad_norm_` over FSDP2's DTensor gradients
    (what the hand-written loop calls) against the launcher's, on local shards with one
-   all-reduce (launcher/train/strategies/grad_norm.py); ms per call.
+   all-reduce (launcher/parallel/grad_norm.py); ms per call.
 
 Prints one table and writes bench/results/fsdp_overhead.json.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launcher.spec_loader import load_spec  # noqa: E402
+from launcher.config.loader import load_spec  # noqa: E402
 
 CONFIG = REPO / "bench/gpt_fsdp_bench.yaml"
 RESULTS = REPO / "bench/results"

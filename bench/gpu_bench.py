@@ -51,8 +51,8 @@ from compare import CommandFailed, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launcher.train.flops import count_flops, peak_flops  # noqa: E402
-from launcher.train.recipe import load_recipe  # noqa: E402
+from launcher.worker.flops import count_flops, peak_flops  # noqa: E402
+from launcher.worker.recipe import load_recipe  # noqa: E402
 
 RECIPE = REPO / "recipes" / "gpt.py"
 BIG = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}

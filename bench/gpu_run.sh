@@ -25,7 +25,7 @@ site=$(mktemp -d /tmp/launcher-site.XXXXXX)
     exit 1
 }
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
-"$python" -c "import pydantic, typer, rich, yaml, psutil, safetensors, torch, launcher.cli" || exit 1
+"$python" -c "import pydantic, typer, rich, yaml, psutil, safetensors, torch, launcher.cli.app" || exit 1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
     --format=csv,noheader | tee "$out/nvidia_smi.txt"
 if [ "${1:-}" = "--checkpoints" ]; then

@@ -135,7 +135,7 @@ def main() -> None:
             loss = gpt.loss(model, batch)
         loss.backward()
         if args.launcher_norm:
-            from launcher.train.strategies.base import gradient_norm
+            from launcher.parallel.base import gradient_norm
 
             gradient_norm(model, args.clip)
         elif args.clip is not None:

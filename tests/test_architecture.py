@@ -10,8 +10,8 @@ from typing import get_args
 
 import pytest
 
-from launcher.spec import StrategyName
-from launcher.strategy_registry import STRATEGIES
+from launcher.config.spec import StrategyName
+from launcher.parallel.registry import STRATEGIES
 from tests.conftest import REPO
 
 # Reads source files only: the same on every torch.

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.config.loader import load_spec
 from launcher.errors import UsageError
-from launcher.spec_loader import load_spec
 from tests.conftest import REPO, finish_train, start_train, write_spec
 
 pytestmark = pytest.mark.timeout(120)

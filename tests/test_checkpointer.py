@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.run_layout import CheckpointFiles, RunLayout
-from launcher.train import checkpoint
-from launcher.train.strategies.ddp import DDPStrategy
+from launcher.checkpoint import checkpointer as checkpoint
+from launcher.parallel.ddp import DDPStrategy
+from launcher.rundir.layout import CheckpointFiles, RunLayout
 
 
 class Held:
@@ -114,7 +114,7 @@ def test_metadata_cannot_reach_through_an_allowed_module(tmp_path: Path) -> None
     """Pickle protocol 4 resolves dotted names: filesystem.os.getcwd would run os.getcwd."""
     import pickle
 
-    from launcher.checkpoint_format import read_metadata
+    from launcher.checkpoint.format import read_metadata
     from launcher.errors import UsageError
 
     def text(s: bytes) -> bytes:

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launcher.config.loader import load_spec, load_spec_and_sources
+from launcher.config.yaml_file import read_yaml_file
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
-from launcher.run_layout import RunLayout
-from launcher.spec_loader import load_spec, load_spec_and_sources
-from launcher.spec_yaml import read_yaml_file
+from launcher.rundir.layout import RunLayout
 from tests.conftest import REPO, write_spec
 
 pytestmark = [pytest.mark.launcher_only, pytest.mark.timeout(120)]
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.launcher_only, pytest.mark.timeout(120)]
 # Runs `train ARGS` in this interpreter, then says whether torch was imported.
 _PROBE = """
 import sys
-from launcher.cli import main
+from launcher.cli.app import main
 sys.argv = ["train", *sys.argv[1:]]
 try:
     main()
@@ -99,7 +99,7 @@ def test_a_spec_that_is_fine_imports_torch_to_check_its_optimizer(tmp_path: Path
 
 
 def test_the_usage_line_and_the_commands_listed() -> None:
-    from launcher.cli import COMMANDS
+    from launcher.cli.app import COMMANDS
 
     out = _train(["--help"]).stdout
     assert re.search(r"Usage: train \[OPTIONS\] \[KEY=VALUE\]\.\.\.", out), out
@@ -200,7 +200,7 @@ def test_demo_tells_how_to_put_train_on_the_path() -> None:
 
 
 def test_the_readme_shows_each_commands_help_first_lines() -> None:
-    from launcher.cli import COMMANDS
+    from launcher.cli.app import COMMANDS
 
     readme = (REPO / "README.md").read_text()
     assert "Usage: train [OPTIONS] [KEY=VALUE]..." in readme
@@ -213,9 +213,9 @@ def test_the_readme_shows_each_commands_help_first_lines() -> None:
 
 
 def test_spec_yaml_comments_never_land_inside_a_value() -> None:
-    from launcher.spec import RunSpec
-    from launcher.spec_loader import spec_to_yaml
-    from launcher.spec_sources import annotate_yaml
+    from launcher.config.loader import spec_to_yaml
+    from launcher.config.sources import annotate_yaml
+    from launcher.config.spec import RunSpec
 
     long, lines = "word " * 40, "a: b\nc: d\n"  # wrapped, and quoted over several lines
     spec = RunSpec.model_validate(

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from launcher.checkpoint.export import export, resolve_source, write_state_dict
 from launcher.errors import UsageError
-from launcher.run_layout import CheckpointFiles, RunLayout
-from launcher.train.export import export, resolve_source, write_state_dict
+from launcher.rundir.layout import CheckpointFiles, RunLayout
 from recipes.mlp import build_model
 from tests.conftest import REPO, run_train, usage_error, write_spec
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.train.flops import count_flops, describe, peak_flops
-from launcher.train.recipe import load_recipe
+from launcher.worker.flops import count_flops, describe, peak_flops
+from launcher.worker.recipe import load_recipe
 from tests.conftest import REPO, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +81,7 @@ def test_counting_leaves_the_recipes_state_alone(tmp_path: Path, read: bool) -> 
     """The count runs a fresh copy of the recipe's module: the training's recipe sees no
     extra call of its loss (a recipe may count its calls); one that reads values on the host
     is not counted, and says why."""
-    from launcher.train.flops import Speed
+    from launcher.worker.flops import Speed
 
     (tmp_path / "counting.py").write_text(COUNTING_RECIPE)
     recipe = load_recipe(str(tmp_path / "counting.py"))

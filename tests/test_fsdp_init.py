@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.train.precision import cpu_has_fast_bf16
-from launcher.train.strategies.shard_units import shard_units
+from launcher.parallel.precision import cpu_has_fast_bf16
+from launcher.parallel.shard_units import shard_units
 from tests.conftest import REPO, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(300)

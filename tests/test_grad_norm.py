@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from launcher.train.strategies.base import gradient_norm
-from launcher.train.strategies.grad_norm import sharded_norm
+from launcher.parallel.base import gradient_norm
+from launcher.parallel.grad_norm import sharded_norm
 from tests.conftest import free_port
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from launcher.spec import RunSpec
-from launcher.train.loop import Trainer
-from launcher.train.recipe import load_recipe
-from launcher.train.strategies.ddp import DDPStrategy
+from launcher.config.spec import RunSpec
+from launcher.parallel.ddp import DDPStrategy
+from launcher.worker.loop import Trainer
+from launcher.worker.recipe import load_recipe
 from tests.conftest import REPO, free_port
 
 STEPS, ACCUM = 3, 4

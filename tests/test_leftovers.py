@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.run_layout import RunLayout
+from launcher.rundir.layout import RunLayout
 from tests.conftest import finish_train, start_train, wait_for_step, write_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -114,7 +114,7 @@ def _workers(proc: subprocess.Popen[str]) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(proc.pid).children()
-        if any("launcher.train.worker" in part for part in p.cmdline())
+        if any("launcher.worker.main" in part for part in p.cmdline())
     ]
 
 

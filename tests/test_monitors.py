@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from launcher.checkpoint.selection import resolve_resume
+from launcher.config.spec import CheckpointSection, EarlyStopSection
 from launcher.errors import RunError, UsageError
-from launcher.launch.run_choice import resolve_resume
-from launcher.run_layout import CheckpointFiles, RunLayout
-from launcher.spec import CheckpointSection, EarlyStopSection
-from launcher.train.monitors import BestCheckpoints, EarlyStopping, improves
+from launcher.rundir.layout import CheckpointFiles, RunLayout
+from launcher.worker.monitors import BestCheckpoints, EarlyStopping, improves
 from tests.conftest import run_train, usage_error, write_spec
 
 pytestmark = pytest.mark.launcher_only

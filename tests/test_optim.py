@@ -8,8 +8,8 @@ import inspect
 import pytest
 import torch
 
-from launcher.spec_optim import OptimSection
-from launcher.train.optim import build_optimizer, fused_default
+from launcher.config.optim import OptimSection
+from launcher.worker.optim import build_optimizer, fused_default
 
 
 def _fused(device_type: str, **optim: object) -> dict:

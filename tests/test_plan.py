@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
+from launcher.checkpoint.selection import resolve_resume
+from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
-from launcher.launch.run_choice import resolve_resume
-from launcher.run_layout import CheckpointFiles, latest_complete
-from launcher.spec import RunSpec
+from launcher.rundir.layout import CheckpointFiles, latest_complete
 
 
 def _checkpoint(run: Path, step: int, complete: bool = True) -> Path:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.run_layout import RunLayout
-from launcher.spec import ProfileSection
-from launcher.train.profiling import StepProfiler, profiled_steps
+from launcher.config.spec import ProfileSection
+from launcher.rundir.layout import RunLayout
+from launcher.worker.profiling import StepProfiler, profiled_steps
 from tests.conftest import only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(180)

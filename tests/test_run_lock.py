@@ -13,12 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
-from launcher.run_layout import RunLayout
-from launcher.spec import RunSpec
+from launcher.rundir.layout import RunLayout
 from tests.conftest import (
     finish_train,
     run_train,

@@ -39,9 +39,9 @@ needs_plotext = pytest.mark.skipif(
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`train ARGS`, as `python -m launcher.cli`, in the repo (its recipes import from it)."""
+    """`train ARGS`, as `python -m launcher.cli.app`, in the repo (its recipes import from it)."""
     return subprocess.run(
-        [sys.executable, "-m", "launcher.cli", *args],
+        [sys.executable, "-m", "launcher.cli.app", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -175,7 +175,7 @@ def test_a_half_written_line_and_a_silent_end(runs: tuple[Path, dict], tmp_path:
 def test_listing_runs_does_not_import_torch(runs: tuple[Path, dict]) -> None:
     out, _ = runs
     check = (
-        "import sys\nfrom launcher.cli import main\n"
+        "import sys\nfrom launcher.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
     )

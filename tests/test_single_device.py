@@ -24,8 +24,8 @@ UNWRAPPED = "ddp: 1 process, nothing to all-reduce: the model runs unwrapped"
 WRAPPED_WORKER = """
 import sys
 from torch.nn.parallel import DistributedDataParallel
-from launcher.train import worker
-from launcher.train.strategies.ddp import DDPStrategy
+from launcher.worker import main as worker
+from launcher.parallel.ddp import DDPStrategy
 
 def wrap(self, model):
     return DistributedDataParallel(model.to(self.device), gradient_as_bucket_view=True)

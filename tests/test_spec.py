@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher.config.loader import load_spec, parse_override
+from launcher.config.reference import END, START, config_reference
 from launcher.errors import UsageError
-from launcher.spec_docs import END, START, config_reference
-from launcher.spec_loader import load_spec, parse_override
 from tests.conftest import REPO
 
 MINIMAL = "recipe: {source: r.py}\ntrain: {max_steps: 5}\n"

@@ -17,11 +17,11 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from launcher.checkpoint import save_failure
 from launcher.launch.agent import AgentLogs
 from launcher.launch.failure_report import last_words, storage_notes
 from launcher.launch.root_cause import root_cause
-from launcher.run_layout import RunLayout
-from launcher.train import save_failure
+from launcher.rundir.layout import RunLayout
 from tests.conftest import TRAIN, finish_train, run_train, start_train, usage_error, write_spec
 from tests.test_multinode import finish_nodes, free_port, node_args
 

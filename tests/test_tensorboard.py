@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run_layout import RunLayout
-from launcher.tensorboard_events import (
+from launcher.metrics.tensorboard import TensorBoardSink, scalar_tags
+from launcher.metrics.tensorboard_events import (
     EventWriter,
     crc32c,
     encode_event,
@@ -23,7 +23,7 @@ from launcher.tensorboard_events import (
     read_records,
     read_scalars,
 )
-from launcher.train.tensorboard import TensorBoardSink, scalar_tags
+from launcher.rundir.layout import RunLayout
 from tests.conftest import only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.launcher_only

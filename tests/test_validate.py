@@ -10,10 +10,10 @@ from types import ModuleType
 
 import pytest
 
+from launcher.cli.recipe_check import check_arguments
+from launcher.config.spec import RecipeSection
 from launcher.errors import UsageError
-from launcher.spec import RecipeSection
-from launcher.train.recipe import Recipe
-from launcher.train.recipe_check import check_arguments
+from launcher.worker.recipe import Recipe
 from tests.conftest import run_train, usage_error, write_spec
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launcher.config.spec import RunSpec
 from launcher.launch.agent import agent_config
 from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
-from launcher.run_layout import RunLayout
-from launcher.spec import RunSpec
-from launcher.worker_plan import WorkerPlan
+from launcher.rundir.layout import RunLayout
+from launcher.rundir.worker_plan import WorkerPlan
 from tests.conftest import only_run_dir, run_train, write_spec
 
 
@@ -37,7 +37,7 @@ def test_the_agent_starts_the_worker_module_with_the_plan_file_alone(tmp_path: P
     assert argv == [
         "-u",
         "-m",
-        "launcher.train.worker",
+        "launcher.worker.main",
         "--plan",
         str(plan.run_dir / "worker-plan.json"),
     ]

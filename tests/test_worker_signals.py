@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.run_layout import RunLayout
+from launcher.rundir.layout import RunLayout
 from tests.conftest import (
     FAULTY_RECIPE,
     REPO,
@@ -35,10 +35,10 @@ pytestmark = pytest.mark.timeout(300)
 CHILD = """
 import os, signal, sys, time
 from pathlib import Path
-import launcher.train.worker
-from launcher.train.worker import stop_on_outside_sigterm
+import launcher.worker.main
+from launcher.worker.main import stop_on_outside_sigterm
 
-launcher.train.worker.REPEAT_WINDOW_S = 1.0
+launcher.worker.main.REPEAT_WINDOW_S = 1.0
 stop_on_outside_sigterm(Path(sys.argv[1]), os.getppid())
 forked = 0
 if sys.argv[2] == "fork":
@@ -203,7 +203,7 @@ def _workers(launcher_pid: int) -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process(launcher_pid).children()
-        if any("launcher.train.worker" in part for part in p.cmdline())
+        if any("launcher.worker.main" in part for part in p.cmdline())
     ]
 
 

@@ -274,8 +274,8 @@ def test_tpu_devices_are_counted_from_the_pci_bus(tmp_path: Path) -> None:
 def test_the_compile_cache_goes_in_the_run_dir_on_tpu_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from launcher.config.loader import load_spec
     from launcher.launch.plan import LaunchPlan
-    from launcher.spec_loader import load_spec
 
     plan = LaunchPlan(
         spec=load_spec(_spec(tmp_path, "xla_fsdp", 4)),

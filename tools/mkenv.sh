@@ -43,7 +43,8 @@ if [ ! -f "$deps/.complete" ]; then
 fi
 
 site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-stamp="$link/.deps-$key"
+# The editable install's entry points come from pyproject.toml: a change there is a new install.
+stamp="$link/.deps-$key-$(sha256sum pyproject.toml | cut -c1-8)"
 if [ ! -f "$stamp" ] || [ ! -x "$link/bin/python" ]; then
     rm -rf "$link"
     "$py" -m venv --without-pip "$link"

@@ -16,12 +16,12 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from launcher.config.loader import spec_to_yaml
 from launcher.launch import rendezvous
 from launcher.launch.plan import LaunchPlan
-from launcher.run_layout import RunLayout
-from launcher.spec_loader import spec_to_yaml
+from launcher.rundir.layout import RunLayout
 
-WORKER_MODULE = "launcher.train.worker"
+WORKER_MODULE = "launcher.worker.main"
 
 
 def agent_config(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from launcher.errors import UsageError
-from launcher.strategy_registry import STRATEGIES, strategy_info
+from launcher.parallel.registry import STRATEGIES, strategy_info
 
 TPU_INSTALL = (
     "pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'   (or: pip install 'launcher[tpu]')"

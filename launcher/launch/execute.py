@@ -2,7 +2,7 @@
 what the launcher says at the end.
 
 One process per device, started by the same elastic agent that torchrun uses; each runs
-`launcher.train.worker --plan FILE`, which writes its own log file that the display follows.
+`launcher.worker.main --plan FILE`, which writes its own log file that the display follows.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.launch.supervise import SIGNAL_EXIT, NodeView, Outcome, exit_now, supervise
-from launcher.run_outcome import OutcomeRecorder
+from launcher.rundir.outcome import OutcomeRecorder
 
 
 def execute(plan: LaunchPlan, console: Console | None = None) -> int:
     """Runs the plan to the end and returns the process exit code; the run folder records
-    how it ended (`launcher.run_outcome`)."""
+    how it ended (`launcher.rundir.outcome`)."""
     # Whatever the user's umask, nothing the run writes (folders, logs, checkpoints, by the
     # launcher or its workers, who inherit this) is writable by other users.
     os.umask(os.umask(0) | 0o002)

@@ -23,7 +23,7 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.root_cause import root_cause
 from launcher.launch.watchdog import Stall, describe
-from launcher.run_layout import CheckpointFiles, RunLayout
+from launcher.rundir.layout import CheckpointFiles, RunLayout
 
 _SIGNALS = {
     signal.SIGKILL: "killed (SIGKILL): most often the kernel's out-of-memory killer; "

@@ -9,17 +9,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.checkpoint import selection as run_choice
+from launcher.config.sources import changed_keys
+from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
-from launcher.launch import run_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.nodes import Nodes
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.tpu_pod import host_index
-from launcher.run_layout import RunLayout
-from launcher.spec import RunSpec
-from launcher.spec_sources import changed_keys
-from launcher.strategy_registry import strategy_info, worker_env
-from launcher.worker_plan import WorkerPlan
+from launcher.parallel.registry import strategy_info, worker_env
+from launcher.rundir.layout import RunLayout
+from launcher.rundir.worker_plan import WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
     host_index: int = 0  # a TPU pod's host: its processes' ranks come after the hosts before it
     nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
-    # {dotted key: where its value came from}: spec.yaml's comments (launcher.spec_sources)
+    # {dotted key: where its value came from}: spec.yaml's comments (launcher.config.sources)
     sources: dict[str, str] = field(default_factory=dict)
 
     @property

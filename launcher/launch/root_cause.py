@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from launcher.run_layout import RunLayout
+from launcher.rundir.layout import RunLayout
 
 
 def root_cause(failures: dict[int, Any], run_dir: Path | None = None) -> tuple[int, Any]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from launcher.checkpoint import selection as run_choice
+from launcher.checkpoint.damage import refuse_damaged
+from launcher.config.loader import spec_to_yaml
+from launcher.config.sources import annotate_yaml
 from launcher.errors import UsageError
-from launcher.launch import run_choice, run_lock
-from launcher.launch.checkpoint_check import refuse_damaged
 from launcher.launch.plan import LaunchPlan
-from launcher.spec_loader import spec_to_yaml
-from launcher.spec_sources import annotate_yaml
+from launcher.rundir import lock as run_lock
 
 _SPEC_HEADER = """\
 # The spec this run ran with, every key: `train --config` reads it as it is. A comment names

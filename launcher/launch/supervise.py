@@ -22,9 +22,9 @@ from launcher.launch.display import RunDisplay
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.watchdog import Stall, Watchdog
-from launcher.run_layout import step_of
+from launcher.metrics.telemetry import read_beat
+from launcher.rundir.layout import step_of
 from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
-from launcher.telemetry import read_beat
 
 SIGNAL_EXIT = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from launcher.run_layout import RunLayout
-from launcher.telemetry import read_beat
+from launcher.metrics.telemetry import read_beat
+from launcher.rundir.layout import RunLayout
 
 # faulthandler's header of the thread that handled the signal, then its innermost frame.
 _CURRENT = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):$", re.MULTILINE)

@@ -3,7 +3,7 @@ what `train runs` says of each: its status, progress, losses, best evaluation, n
 checkpoint and times. Everything is read from the run folder's files, never by asking torch.
 
 A run is `running` while a launcher holds its lock (however old it is); else its launcher's
-record says how it ended (`launcher.run_outcome`); else it ended without a word (its
+record says how it ended (`launcher.rundir.outcome`); else it ended without a word (its
 launcher was killed, or its machine lost): `interrupted`. `unknown`: the file system cannot
 tell whether the lock is held (no flock), and the run recorded no end.
 """
@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.errors import LauncherError
-from launcher.launch.run_lock import is_held
-from launcher.run_layout import RunLayout, step_of
-from launcher.run_outcome import RunOutcome, read_outcome
+from launcher.metrics.telemetry import read_beat
+from launcher.rundir.layout import RunLayout, step_of
+from launcher.rundir.lock import is_held
+from launcher.rundir.outcome import RunOutcome, read_outcome
 from launcher.runs.metrics_file import read_records, tail_records, value
-from launcher.telemetry import read_beat
 
 if TYPE_CHECKING:
-    from launcher.spec import RunSpec
+    from launcher.config.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def run_status(layout: RunLayout) -> tuple[str, RunOutcome | None]:
 def _spec(layout: RunLayout) -> RunSpec | None:
     """The spec the run started with, or None where it cannot be read (a spec written by
     another version of the launcher, say)."""
-    from launcher.spec_loader import load_spec_and_sources
+    from launcher.config.loader import load_spec_and_sources
 
     if not layout.spec.is_file():
         return None

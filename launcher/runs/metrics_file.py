@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from launcher.telemetry import NOT_METRICS, is_number
+from launcher.metrics.telemetry import NOT_METRICS, is_number
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

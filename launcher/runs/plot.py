@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from launcher.errors import UsageError
-from launcher.run_layout import RunLayout
+from launcher.rundir.layout import RunLayout
 from launcher.runs.catalog import is_run
 from launcher.runs.metrics_file import metric_names, read_records, series
 

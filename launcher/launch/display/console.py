@@ -25,7 +25,7 @@ from launcher.launch.display.sanitize import decode
 from launcher.launch.display.sinks import PlainSink, TerminalSink
 from launcher.launch.display.status import TelemetryBoard
 from launcher.launch.display.tail import FileTail, MultiTail, decode_line, split_lines
-from launcher.run_layout import RunLayout
+from launcher.rundir.layout import RunLayout
 
 POLL_S = 0.1
 REFRESH_PER_SECOND = 4

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from launcher.launch.display.lines import rank_style
 from launcher.launch.ranks import format_ranks
-from launcher.telemetry import is_number
+from launcher.metrics.telemetry import is_number
 
 FIELDS = (
     "step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt",

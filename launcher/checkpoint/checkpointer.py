@@ -1,0 +1,346 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) folders, published atomically.
+
+Layout: RUN_DIR/checkpoints/step-00000100/ holds DCP's files (model, optimizer, precision
+state, each rank writing its own part), `rank-N.pt` (each rank's RNG and loop state),
+`meta.json` (progress, scheduler and the spec, as JSON) and a `COMPLETE` marker.
+
+A checkpoint is written under a hidden `.step-N.partial` name and renamed into place by rank 0
+only once every rank has finished writing, so a crash at any moment of a save never leaves a
+folder that looks complete. Old checkpoints are pruned only after a new one is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.checkpoint.format import check_matches
+from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
+from launcher.checkpoint.shared_storage import check_shared_run_dir
+from launcher.errors import RunError
+from launcher.parallel.base import Strategy, local_shard
+from launcher.rundir.layout import CheckpointFiles, RunLayout, latest_complete
+from launcher.worker.state import ModelState, TrainState
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads(CheckpointFiles(path).meta.read_text())
+
+
+def resume_point(run_dir: Path, requested: Path | None, strategy: Strategy) -> Path | None:
+    """The resume rule, for every attempt of every node: the run folder's newest complete
+    checkpoint as rank 0 sees it, else the checkpoint the plan names.
+
+    A first attempt may write into a folder with checkpoints only when it continues from the
+    newest (the plan refuses anything else), so there this is the plan's. After a restart (a
+    failure, or nodes joining, which torch does not count as one) it is what the run saved
+    last. Rank 0 decides: nodes started again, and nodes that restarted their workers, may
+    each have seen a different newest checkpoint."""
+    return strategy.from_main(latest_complete(run_dir) or requested)
+
+
+# A background save still writing when the next one starts, for longer than this, is worth
+# a warning: shorter waits are noise next to a step.
+SLOW_WRITE_S = 0.05
+
+
+@dataclass
+class _Pending:
+    step: int
+    staging: Path
+    meta: dict[str, Any]
+    future: Any
+
+
+class Checkpointer:
+    """Saves checkpoints; every method is collective (all ranks call it at the same step).
+
+    With `use_async`, `save` returns at once: DCP copies the state to memory in a background
+    thread while the next forward and backward run (`before_update` waits for the copy before
+    the optimizer changes the state), then writes the files in another background thread over
+    a process group of its own, so that its collectives never interleave with training's. The
+    checkpoint is published when the write has finished (`poll`, once per step) and before the
+    next save starts.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        run_dir: Path,
+        model: ModelState,
+        train: TrainState,
+        *,
+        keep_last: int | None = None,
+        use_async: bool = False,
+    ) -> None:
+        check_shared_run_dir(strategy, run_dir)  # before the first save, not at it
+        self.strategy = strategy
+        self.layout = RunLayout(run_dir)
+        self.model = model  # DCP: each rank writes its shards
+        self.train = train  # meta.json (rank 0) and rank-N.pt (each rank)
+        self.keep_last = keep_last
+        self.use_async = use_async
+        self._pending: _Pending | None = None
+        self._said_slow = False  # the warning that saves outpace the storage, once a run
+        self._staging: Any = None  # the background copy of the state, while it runs
+        self._group = strategy.checkpoint_group() if use_async else None
+        self._stager = _background_stager(strategy.device.type) if use_async else None
+
+    def save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp  # 0.5 s of imports: not on the way to step 1
+
+        # The state as it is now, before the waits below: on XLA a barrier cuts the graph,
+        # which advances the random seed this rank's state records.
+        rank_state = self.train.rank_state_dict()
+        meta = {**self.train.state_dict(), "step": step, "time": time.time()}
+        state = self.model.state_dict()
+        self._wait_for_previous(step)
+        staging = self.layout.staging(step)
+        with failing_save(self.layout, step):
+            if self.strategy.is_main:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never published
+                staging.mkdir(parents=True)
+            self.strategy.barrier()
+            _save_synced(rank_state, CheckpointFiles(staging).rank_state(self.strategy.rank))
+            if self.use_async:
+                module = getattr(self.model, "model", None)
+                state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}
+                response = dcp.async_save(
+                    state,
+                    checkpoint_id=staging,
+                    storage_writer=file_writer(staging),
+                    process_group=self._group,
+                    **({"async_stager": self._stager} if self._stager else {}),
+                )
+                future = getattr(response, "upload_completion", response)
+                self._staging = getattr(response, "staging_completion", None)
+                self._pending = _Pending(step, staging, meta, future)
+                return
+            with _quiet_dcp():
+                dcp.save(
+                    state,
+                    checkpoint_id=staging,
+                    storage_writer=file_writer(staging),
+                    planner=self.strategy.save_planner(),
+                )
+            self._publish(staging, self.layout.checkpoint(step), meta)
+        self.strategy.barrier()
+
+    def _wait_for_previous(self, step: int) -> None:
+        """`wait`, saying once when a background save was still writing: saves that come
+        faster than the storage writes them block training as sync saves would."""
+        pending = self._pending
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        if pending is None or waited < SLOW_WRITE_S or self._said_slow or not self.strategy.is_main:
+            return
+        self._said_slow = True
+        print(
+            f"WARNING: checkpoint: the save at step {step} waited {waited:.1f} s for the one at "
+            f"step {pending.step} to finish writing: saves come faster than the storage takes "
+            "them, so training waits as it would for a sync save. Raise "
+            "checkpoint.every_n_steps (or use faster storage).",
+            flush=True,
+        )
+
+    def load(self, path: Path) -> bool:
+        """Collective: restores every state from the checkpoint at `path`. Returns whether this
+        rank's own streams continue (False: saved with another world size)."""
+        state = self.model.state_dict()
+        own = load(path, state, self.strategy)
+        self.model.load_state_dict(state)
+        self.train.load_state_dict(read_meta(path), own)
+        return own is not None
+
+    def before_update(self) -> float:
+        """Waits for a background copy of the state (before the optimizer changes it);
+        returns the seconds waited."""
+        if self._staging is None:
+            return 0.0
+        started = time.perf_counter()
+        self._staging.result()
+        self._staging = None
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            _release_buffers(self._stager)
+
+    def poll(self) -> None:
+        """Publishes a finished background save; never blocks."""
+        if self._pending is not None and self._pending.future.done():
+            self._finish()
+
+    def wait(self) -> None:
+        """Blocks until the pending save, if any, is written and published. Collective."""
+        if self._pending is not None:
+            self._finish()
+        if self.use_async:
+            # Unconditional: `poll` may have finished the save on some ranks and not on others,
+            # and every rank must call the same barriers.
+            self.strategy.barrier()
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        with failing_save(self.layout, pending.step):
+            pending.future.result()  # a failed write raises here, on the training thread
+            # Rank 0's write ends with DCP gathering every rank's results, so all are on disk.
+            self._publish(pending.staging, self.layout.checkpoint(pending.step), pending.meta)
+
+    def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+        if not self.strategy.is_main:
+            return
+        files = CheckpointFiles(staging)
+        _write_synced(files.meta, json.dumps(meta))
+        _write_synced(files.marker, "")
+        if final.exists():  # never replace a published checkpoint (the plan prevents this)
+            raise RunError(f"{final} already exists; not overwriting it")
+        os.replace(staging, final)
+        _fsync_dir(final.parent)
+        # The best checkpoints as of this one are kept whatever their age.
+        best = [step for step, _ in (meta.get("best") or {}).get("kept", [])]
+        for old in self.layout.prunable(self.keep_last, protected=best):
+            # Unpublish first (atomic), so a crash mid-delete leaves no half checkpoint
+            # that still looks complete.
+            doomed = CheckpointFiles(old).doomed
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:
+    """Copies the model's non-parameter tensors (buffers) now. An async save copies the state
+    in the background while the next forward runs, and a forward may update buffers in place
+    (BatchNorm statistics, DDP's buffer broadcast); parameters only change in the optimizer
+    step, which waits for the copy."""
+    params = {_address(p) for p in model.parameters()} if model is not None else set()
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) and _address(v) not in params else v
+        for k, v in model_state.items()
+    }
+
+
+def _address(tensor: torch.Tensor) -> int:
+    return local_shard(tensor).data_ptr()
+
+
+def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any] | None:
+    """Collective: fills `state` in place, never unpickling arbitrary code.
+
+    Returns this rank's own saved state (RNG, loop), or None when the checkpoint was saved
+    with another world size, where per-rank streams cannot continue exactly.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    check_matches(path, state)
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._traverse import set_element
+
+    # Loaded as `{"model.a.weight": ..., "optim.param_groups.0.lr": ...}`, the keys DCP's
+    # default planner writes, so that planners that flatten less (XLA's SPMD ones) find them.
+    flat, mapping = flatten_state_dict(state)
+    with _quiet_dcp():
+        dcp.load(flat, checkpoint_id=path, planner=strategy.load_planner())
+    for key, value in flat.items():  # tensors were filled in place; plain values replaced
+        set_element(state, mapping[key], value)
+    if read_meta(path).get("world_size") != strategy.world_size:
+        return None
+    return torch.load(CheckpointFiles(path).rank_state(strategy.rank), weights_only=True)
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # Warnings DCP gives on every save of a single process (XLA SPMD, one XLA device) and on
+    # torch 2.9, which say nothing the user can act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        # torch_xla 2.9's SPMD planners, on their own deprecated calls:
+        warnings.filterwarnings("ignore", message="Using a non-tuple sequence")
+        yield
+
+
+def _background_stager(device_type: str) -> Any:
+    """A stager that copies the state to memory in a thread of its own, into the same buffers
+    from one save to the next (from a GPU: pinned, non-blocking copies, at the link's full
+    speed); None where this torch has none (the copy then blocks)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = device_type == "cuda"
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=cuda,
+        )
+    )
+    _keep_buffers(stager, pin_memory=cuda)
+    return stager
+
+
+def _keep_buffers(stager: Any, pin_memory: bool) -> None:
+    """torch 2.11's DefaultStager closes its inner StateDictStager after every staging, which
+    drops the host copies it keeps for the next save: each save then allocated and pinned
+    the whole state again (on an H200, a 1 GB state's async save blocked training 12.6% as
+    long as a sync save). Its replacement here closes only with the checkpointer
+    (`_release_buffers`). The buffers are safe to reuse: a save starts only once the previous
+    one has written them (`Checkpointer.wait`)."""
+    try:
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    except ImportError:  # another torch: its own stager's behaviour stands
+        return
+    if not isinstance(getattr(stager, "_state_dict_stager", None), StateDictStager):
+        return
+
+    class KeptBuffers(StateDictStager):
+        def close(self) -> None:  # what DefaultStager calls after each staging (torch 2.11)
+            pass
+
+        def release(self) -> None:
+            super().close()
+
+    stager._state_dict_stager = KeptBuffers(pin_memory=pin_memory, share_memory=False)
+
+
+def _release_buffers(stager: Any) -> None:
+    release = getattr(getattr(stager, "_state_dict_stager", None), "release", None)
+    if release is not None:
+        release()
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    with explained_writes(path), open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with explained_writes(path), open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,48 @@
+"""A damaged checkpoint is refused in the launcher, before a folder is created or a worker
+started, naming the file and the newest checkpoint of its run that is intact. Nothing is
+deleted: the user decides what to do with the damaged one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from launcher.checkpoint.format import damage
+from launcher.errors import UsageError
+from launcher.rundir.layout import RunLayout, run_of
+
+
+def refuse_damaged(
+    checkpoint: Path, what: str = "", check: Callable[[Path], str | None] = damage
+) -> None:
+    """`what` says what the checkpoint is to the user, when it is not the one they named;
+    `check` what must be whole (by default, all of it)."""
+    problem = check(checkpoint)
+    if problem is not None:
+        raise UsageError(
+            f"{what or f'--resume {checkpoint}: this checkpoint'} is damaged: {problem}",
+            hint=_way_on(checkpoint),
+        )
+
+
+def newest_intact(run_dir: Path, but: Path | None = None) -> Path | None:
+    """The newest complete checkpoint of a run folder that is not damaged (other than `but`)."""
+    for checkpoint in reversed(RunLayout(run_dir).complete_checkpoints()):
+        if checkpoint != but and damage(checkpoint) is None:
+            return checkpoint
+    return None
+
+
+def _way_on(damaged: Path) -> str:
+    run = run_of(damaged)
+    intact = newest_intact(run, but=damaged) if run else None
+    if intact is None:
+        return "Its run has no intact checkpoint to resume instead; start anew without --resume."
+    if run and intact == RunLayout(run).latest_complete():
+        return f"The newest intact checkpoint is {intact}: continue with --resume {intact}"
+    # Continuing in place from an older checkpoint than the run's newest (the damaged one)
+    # would overwrite checkpoints; the launcher never deletes one.
+    return (
+        f"The newest intact checkpoint is {intact}: branch off from it with --resume {intact} "
+        "--run-dir NEW_FOLDER (or move the damaged checkpoint out of the run to continue in place)"
+    )

@@ -1,0 +1,228 @@
+"""`train export`: a checkpoint's model as one file that plain PyTorch loads.
+
+A checkpoint holds every rank's shards of the model, the optimizer and the precision state,
+in torch.distributed.checkpoint's (DCP) format, whatever the strategy and world size. Export
+reads only the model's tensors, each one whole: DCP reassembles a tensor from the shards of
+every rank that wrote it, in this one process, with no process group. What comes out is the
+bare model's `state_dict`: `model.load_state_dict(torch.load(path), strict=True)`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from launcher.checkpoint.format import read_metadata, weights_only_planner
+from launcher.errors import UsageError
+from launcher.rundir.layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
+
+COMMAND = "train export"
+# The writer each accepted suffix gets.
+FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+_MODEL = "model."  # DCP's flattened keys of the state's "model" entry
+# torch_xla's FSDPv2 (`xla_fsdp`) keeps the model as this attribute of its wrapper, so its
+# checkpoints' keys read `model._orig_module.0.weight`; the bare model knows `0.weight`.
+_WRAPPERS = ("_orig_module",)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export` wrote, for the lines it prints."""
+
+    checkpoint: Path
+    out: Path
+    tensors: int
+    numel: int  # every tensor's elements: buffers too, and tied weights once per name
+    skipped: list[str] = field(default_factory=list)
+    best: Best | None = None
+
+    def describe(self) -> str:
+        size = _human_bytes(self.out.stat().st_size)
+        lines = [
+            f"exported {self.tensors} tensors ({self.numel:,} values, {size}) "
+            f"from {self.checkpoint} to {self.out}"
+        ]
+        if self.best is not None:
+            lines.append(f"best checkpoint: {self.best.describe()}")
+        if self.skipped:
+            lines.append(
+                f"skipped {len(self.skipped)} non-tensor model entries: {', '.join(self.skipped)}"
+            )
+        return "\n".join(lines)
+
+
+def export(source: Path, out: Path, *, best: bool = False) -> Exported:
+    """Writes the model of the checkpoint `source` names to `out`, never overwriting it."""
+    check_out(out)  # before reading anything: a wrong --out costs nothing
+    checkpoint, chosen = resolve_source(source, best=best)
+    state, skipped = load_model_state(checkpoint)
+    write_state_dict(state, out)
+    numel = sum(t.numel() for t in state.values())
+    return Exported(checkpoint, out, len(state), numel, skipped, chosen)
+
+
+def check_out(out: Path) -> None:
+    """Refuses an `--out` that `write_state_dict` could not write, or would overwrite."""
+    accepted = ", ".join(FORMATS)
+    if out.suffix not in FORMATS:
+        raise UsageError(f"--out {out}: expected a file name ending in one of {accepted}")
+    if out.exists():
+        raise UsageError(
+            f"--out {out}: already exists; it is never overwritten",
+            hint="Choose another --out, or delete the file first.",
+        )
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no folder {out.parent}")
+    if FORMATS[out.suffix] == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                f"--out {out}: safetensors is not installed here",
+                hint="pip install safetensors, or export to a .pt file.",
+            ) from None
+
+
+def resolve_source(source: Path, *, best: bool = False) -> tuple[Path, Best | None]:
+    """The checkpoint SOURCE names: itself (a checkpoint folder) or a run folder's newest
+    complete one; with `best`, the best checkpoint of its run (and which that is)."""
+    if not source.is_dir():
+        raise UsageError(f"{COMMAND} {source}: no such folder")
+    files = CheckpointFiles(source)
+    run = run_of(source) if files.is_complete else source
+    if best:
+        if run is None:
+            raise UsageError(f"{COMMAND} {source} --best: this checkpoint is not in a run folder")
+        chosen = RunLayout(run).best()
+        if chosen is None:
+            raise UsageError(
+                f"{COMMAND} {source} --best: the run {run} has no best checkpoint",
+                hint="Best checkpoints are kept for runs with checkpoint.monitor; "
+                "export without --best for the newest one.",
+            )
+        return chosen.path, chosen
+    return checkpoint_in(source, COMMAND), None
+
+
+def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The model's tensors, whole, keyed as the bare model's `state_dict`, and the model
+    entries that are not tensors (left out: they would need unpickling)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # The restricted unpickler reads .metadata first: DCP's own reader unpickles it with
+    # plain pickle, so an unsafe one must be refused before DCP sees it.
+    saved = read_metadata(checkpoint, COMMAND).state_dict_metadata
+    entries = {k: v for k, v in saved.items() if k.startswith(_MODEL)}
+    # Whole tensors at the saved (global) sizes: DCP fills each from every shard that
+    # overlaps it, whatever world size and strategy wrote them.
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in entries.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    skipped = sorted(entries.keys() - state.keys())
+    if not state:
+        raise UsageError(f"{COMMAND} {checkpoint}: the checkpoint holds no model tensors")
+    _fill(state, checkpoint)
+    bare = {bare_key(key): tensor for key, tensor in state.items()}
+    if len(bare) != len(state):
+        raise UsageError(f"{COMMAND} {checkpoint}: two model keys differ only by a wrapper")
+    return bare, [key.removeprefix(_MODEL) for key in skipped]
+
+
+def _fill(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Reads the checkpoint's values into `state`'s tensors, in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    unreadable = (CheckpointException, OSError, EOFError, RuntimeError, pickle.UnpicklingError)
+    with warnings.catch_warnings():
+        # Said on every load without a process group, which is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, checkpoint_id=checkpoint, planner=weights_only_planner(), no_dist=True)
+        except unreadable as exc:
+            # A missing or truncated shard file: the input's fault, not a bug (--debug shows
+            # the traceback underneath).
+            raise UsageError(
+                f"{COMMAND} {checkpoint}: cannot read the model's tensors ({_cause(exc)})"
+            ) from exc
+
+
+def _cause(exc: BaseException) -> str:
+    """The first underlying error, in one line: DCP wraps each failure with its traceback."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def bare_key(key: str) -> str:
+    """`model._orig_module.0.weight` -> `0.weight`: the key the recipe's own model has."""
+    parts = key.removeprefix(_MODEL).split(".")
+    return ".".join(p for p in parts if p not in _WRAPPERS)
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
+    """Writes `state` to `out` (format by suffix) atomically: a crash leaves no half file
+    under `out`, and an existing `out` is never replaced."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # same folder: os.replace is atomic
+    try:
+        if FORMATS[out.suffix] == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(_unshared(state), str(tmp))
+            # safetensors creates its file readable by its owner only; a model is shared like
+            # any file the user writes (torch.save's files get the umask's mode).
+            os.chmod(tmp, 0o666 & ~_umask())
+        else:
+            torch.save(state, tmp)
+        _publish(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Moves `tmp` to `out` unless `out` exists, atomically: a file created there meanwhile
+    is never replaced (a hard link fails where its name is taken)."""
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise UsageError(f"--out {out}: already exists; it is never overwritten") from None
+    except OSError:  # a file system without hard links: the check and the move are two steps
+        if out.exists():
+            raise UsageError(f"--out {out}: already exists; it is never overwritten") from None
+        os.replace(tmp, out)
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied weights, views) and non-contiguous
+    ones; torch.save keeps the sharing. Each name gets its own copy, so every key stays and
+    `load_state_dict(strict=True)` of a model with tied weights still finds them all."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        whole = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes
+        empty = tensor.numel() == 0  # no memory to share (every one has address 0)
+        out[key] = tensor if empty or (whole and ptr not in seen) else tensor.contiguous().clone()
+        seen.add(ptr)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+def _human_bytes(n: int) -> str:
+    if n < 1000:
+        return f"{n} B"
+    size, unit = next((n / 10**p, u) for p, u in ((9, "GB"), (6, "MB"), (3, "kB")) if n >= 10**p)
+    return f"{size:.1f} {unit}"

@@ -1,0 +1,193 @@
+"""Reading DCP checkpoints safely, and saying precisely why one does not fit the model.
+
+DCP unpickles its `.metadata` file and non-tensor values with full pickle. Here the metadata
+is first read with an unpickler that only builds DCP's own metadata classes, and values are
+loaded with `weights_only=True`: loading a checkpoint never runs code from it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.errors import UsageError
+from launcher.rundir.layout import CheckpointFiles
+
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # A dotted name (pickle protocol 4) would reach through a module to anything it
+        # imports, e.g. filesystem.os.system: only plain names of known classes pass.
+        allowed = (
+            _is_dcp_class(module, name) or _is_dtype(module, name) or (module, name) in _ALLOWED
+        )
+        if "." not in name and allowed:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def _is_dcp_class(module: str, name: str) -> bool:
+    if module not in _DCP_MODULES or "." in name:
+        return False
+    import importlib
+
+    obj = getattr(importlib.import_module(module), name, None)
+    return isinstance(obj, type) and obj.__module__ == module
+
+
+def _is_dtype(module: str, name: str) -> bool:
+    return (
+        module == "torch"
+        and "." not in name
+        and isinstance(getattr(torch, name, None), torch.dtype)
+    )
+
+
+_CORRUPT = (pickle.UnpicklingError, EOFError, AttributeError, ValueError)
+
+
+def read_metadata(path: Path, flag: str = "--resume") -> Any:
+    """DCP's metadata of the checkpoint at `path`; errors name `flag`, the flag or command
+    that was given the path (`--resume`, `train export`)."""
+    try:
+        return _load_metadata(path)
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: no .metadata file; not a complete checkpoint") from None
+    except _CORRUPT as exc:
+        raise UsageError(f"{flag} {path}: corrupt or unsafe checkpoint metadata ({exc})") from None
+
+
+def _load_metadata(path: Path) -> Any:
+    with open(CheckpointFiles(path).dcp_metadata, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def damage(path: Path) -> str | None:
+    """What keeps the complete checkpoint at `path` from loading, naming the file; None when it
+    is whole. DCP's data files must exist and hold every byte that `.metadata` places in them;
+    meta.json and every rank's rank-N.pt must load. Of the data files only the sizes are read."""
+    try:
+        metadata = _load_metadata(path)
+    except FileNotFoundError:
+        return ".metadata is missing"
+    except _CORRUPT as exc:
+        return f".metadata: corrupt or unsafe checkpoint metadata ({exc})"
+    return _data_damage(path, getattr(metadata, "storage_data", None)) or _state_damage(path)
+
+
+def _data_damage(path: Path, storage: Any) -> str | None:
+    ends: dict[str, int] = {}  # each data file: where the last byte .metadata places in it ends
+    for item in (storage or {}).values() if isinstance(storage, dict) else ():
+        name, offset, length = (
+            getattr(item, k, None) for k in ("relative_path", "offset", "length")
+        )
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f".metadata: names a file outside the checkpoint ({name})"
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size < end:
+            return f"{name} is truncated: {size:,} bytes, where .metadata places {end:,}"
+    return None
+
+
+def meta_damage(path: Path) -> str | None:
+    """What keeps the checkpoint's meta.json from being read; None when it reads."""
+    try:
+        meta = json.loads(CheckpointFiles(path).meta.read_text())
+    except FileNotFoundError:
+        return "meta.json is missing"
+    except ValueError as exc:
+        return f"meta.json is not valid JSON ({exc})"
+    world_size = meta.get("world_size") if isinstance(meta, dict) else None
+    if not isinstance(world_size, int) or world_size < 1:
+        return "meta.json does not record the world size the checkpoint was saved with"
+    return None
+
+
+def _state_damage(path: Path) -> str | None:
+    files = CheckpointFiles(path)
+    problem = meta_damage(path)
+    if problem is not None:
+        return problem
+    world_size = json.loads(files.meta.read_text())["world_size"]
+    for rank in range(world_size):
+        try:
+            torch.load(files.rank_state(rank), map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return f"{files.rank_state(rank).name} is missing"
+        except Exception as exc:  # torch raises a different type for each way a file is broken
+            reason = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
+            return f"{files.rank_state(rank).name} does not load ({reason})"
+    return None
+
+
+def check_matches(path: Path, state: dict[str, Any], limit: int = 10) -> None:
+    """Raises a UsageError listing missing, unexpected and mis-shaped keys: the model's first,
+    then the optimizer's. Precision state may come and go (resuming fp16 as bf16)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    saved = read_metadata(path).state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+    problems = _mismatches(flat, saved, "model.") + _mismatches(flat, saved, "optim.")
+    if problems:
+        more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
+        raise UsageError(
+            f"--resume {path}: this checkpoint does not fit the model and optimizer "
+            f"({len(problems)} mismatched key{'s' if len(problems) > 1 else ''}):",
+            details=problems[:limit] + more,
+            hint="Resume with the recipe, recipe.model and optim.name it was saved with "
+            "(see its meta.json), or start a new run.",
+        )
+
+
+def _mismatches(ours: dict[str, Any], theirs: dict[str, Any], prefix: str) -> list[str]:
+    ours = {k: v for k, v in ours.items() if k.startswith(prefix)}
+    theirs = {k: v for k, v in theirs.items() if k.startswith(prefix)}
+    problems = [f"missing from the checkpoint: {k}" for k in sorted(ours.keys() - theirs.keys())]
+    problems += [f"not in the run: {k}" for k in sorted(theirs.keys() - ours.keys())]
+    for key in sorted(ours.keys() & theirs.keys()):
+        size = getattr(theirs[key], "size", None)
+        shape = getattr(ours[key], "shape", None)
+        if size is not None and shape is not None and tuple(size) != tuple(shape):
+            problems.append(f"shape of {key}: checkpoint {list(size)}, run {list(shape)}")
+    # Shapes first: they say most about what changed.
+    return sorted(problems, key=lambda p: not p.startswith("shape"))
+
+
+def weights_only_planner() -> Any:
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return WeightsOnlyLoadPlanner()

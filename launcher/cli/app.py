@@ -1,0 +1,247 @@
+"""`train`: the command line. It parses, builds a plan, and calls one function.
+
+`train --config run.yaml` runs; `train validate|slurm|export|schema|runs|plot ...` are the other
+commands (COMMANDS). Nothing is imported at the top that imports torch: `--help`, a bad flag or
+a spec with mistakes answer in a fraction of a second, and torch comes in once a run needs it.
+"""
+
+from __future__ import annotations
+
+from launcher.cli import interrupt  # noqa: F401  (first: Ctrl-C during the imports below)
+
+# isort: split
+import difflib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+from launcher.cli.options import (
+    AcceleratorOpt,
+    ConfigOpt,
+    DevicesOpt,
+    MaxRestartsOpt,
+    Overrides,
+    StallTimeoutOpt,
+    StrategyOpt,
+    StrictCompileOpt,
+    run_guarded,
+)
+from launcher.cli.runs import plot_command, runs_command
+from launcher.cli.tools import (
+    check_recipe,
+    export_command,
+    schema_command,
+    slurm_command,
+    validate_command,
+)
+
+# name -> (function, the one line `train --help` lists it with)
+COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
+    "validate": (
+        validate_command,
+        "check a spec and its recipe; --explain: where each value came from",
+    ),
+    "slurm": (slurm_command, "print an sbatch script for a SLURM cluster"),
+    "export": (export_command, "write a checkpoint's model as one .safetensors or .pt file"),
+    "schema": (schema_command, "print the spec's JSON Schema, for editors"),
+    "runs": (runs_command, "list the runs: status, steps, losses, checkpoints"),
+    "plot": (plot_command, "draw runs' curves: a PNG, or in the terminal"),
+}
+
+EXAMPLES = """
+Examples:
+
+  train --config configs/quickstart.yaml
+
+  train --config configs/quickstart.yaml --devices 2 --accelerator cpu
+
+  train --config my_run.yaml --devices 4 optim.lr=3e-4 train.max_steps=500
+
+  train --config my_run.yaml --resume latest
+
+  train --config my_run.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29500 --rdzv-id exp42
+
+  train validate --config my_run.yaml --explain     (check it; where each value came from)
+
+  train runs     (every run: status, steps, losses)
+"""
+
+COMMANDS_HELP = (
+    "Commands (train COMMAND --help):\n\n"
+    + "\n\n".join(f"  {name:<9} {line}" for name, (_, line) in COMMANDS.items())
+    + "\n\nShell completion: train --install-completion (or --show-completion to see it)."
+)
+
+# The group's own options, which stay with it rather than go to the run command.
+_GROUP_OPTIONS = ("--install-completion", "--show-completion")
+
+
+class _DefaultToRun(TyperGroup):
+    """`train --config x` means `train run --config x`: the run command is the default, and
+    `train --help` is its help."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        own = (
+            args[0] in self.commands or args[0] in _GROUP_OPTIONS if args else ctx.resilient_parsing
+        )
+        if not own and args and not args[0].startswith("-") and "=" not in args[0]:
+            # `train valdate ...` is a typo of a command, not an override the run would refuse.
+            shown = [name for name, command in self.commands.items() if not command.hidden]
+            close = difflib.get_close_matches(args[0], shown, n=1)
+            if close:
+                ctx.fail(f"no command {args[0]!r}; did you mean `train {close[0]}`?")
+        return super().parse_args(ctx, args if own else ["run", *args])
+
+    def shell_complete(self, ctx: typer.Context, incomplete: str) -> list[Any]:
+        # `train <TAB>`: the commands, and the run's own options.
+        run = self.commands["run"]
+        with run.make_context("run", [], parent=ctx, resilient_parsing=True) as sub:
+            return [*super().shell_complete(ctx, incomplete), *run.shell_complete(sub, incomplete)]
+
+
+class _RunContext(typer.Context):
+    @property
+    def command_path(self) -> str:
+        # The run command is `train`, not `train run`: in its usage line and its errors.
+        return self.parent.command_path if self.parent else super().command_path
+
+
+class _RunCommand(TyperCommand):
+    context_class = _RunContext
+
+
+app = typer.Typer(
+    cls=_DefaultToRun,
+    add_completion=True,
+    no_args_is_help=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command(
+    "run",
+    cls=_RunCommand,
+    hidden=True,
+    epilog=EXAMPLES + "\n" + COMMANDS_HELP,
+    context_settings={"allow_interspersed_args": True},
+)
+def run_command(
+    config: ConfigOpt,
+    overrides: Overrides = None,
+    accelerator: AcceleratorOpt = None,
+    devices: DevicesOpt = None,
+    strategy: StrategyOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    stall_timeout: StallTimeoutOpt = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
+            "`latest`: the newest run of this run.name (with --rdzv-id or in SLURM, that job's "
+            "own folder, if it has a checkpoint yet), or `best`: that run's best checkpoint by "
+            "checkpoint.monitor."
+        ),
+    ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write this run here instead of <run.output_dir>/<run.name>/<timestamp>; "
+            "an existing run is never overwritten."
+        ),
+    ] = None,
+    ranks: Annotated[
+        str | None,
+        typer.Option(
+            help="Show only these ranks' output, e.g. 0,2-3. Warnings, errors and tracebacks "
+            "of every rank are always shown."
+        ),
+    ] = None,
+    nnodes: Annotated[
+        str | None,
+        typer.Option(
+            help="Nodes in the run: N, or MIN:MAX for an elastic run. Every node runs the same "
+            "command. Inside SLURM's srun: the allocation's.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    node_rank: Annotated[
+        str | None,
+        typer.Option(
+            help="This node's rank, 0 to N-1: node K runs global ranks K*devices onwards, and "
+            "node 0 hosts the rendezvous. Inside srun: SLURM_NODEID.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST:PORT of the rendezvous on node 0, the same on every node. Inside srun: "
+            "the first node of the allocation.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    rdzv_id: Annotated[
+        str | None,
+        typer.Option(
+            help="The job's name, the same on every node; the run folder is "
+            "<run.output_dir>/<run.name>/<rdzv-id>. Inside srun: the SLURM job id.",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    strict_compile: StrictCompileOpt = False,
+    debug: Annotated[
+        bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")
+    ] = False,
+) -> None:
+    """Train: launch one process per device, wrap the model, stream every replica's logs."""
+
+    def go() -> int:
+        from launcher.config.flags import load_cli_spec_and_sources
+        from launcher.launch.nodes import resolve_nodes
+
+        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
+        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
+        spec, sources = load_cli_spec_and_sources(
+            config,
+            overrides,
+            strict_compile,
+            accelerator=accelerator,
+            devices=devices,
+            strategy=strategy,
+            max_restarts=max_restarts,
+            stall_timeout=stall_timeout,
+        )
+        check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
+        from launcher.launch.execute import execute
+        from launcher.launch.plan import make_plan
+
+        plan = make_plan(
+            spec,
+            run_dir=run_dir,
+            resume=resume,
+            ranks=ranks,
+            debug=debug,
+            nodes=nodes,
+            sources=sources,
+        )
+        return execute(plan)
+
+    run_guarded(go, debug)
+
+
+for _name, (_command, _line) in COMMANDS.items():
+    app.command(_name, short_help=_line)(_command)
+
+
+def main() -> None:
+    app(prog_name="train")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

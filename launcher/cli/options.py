@@ -1,0 +1,69 @@
+"""What the CLI's commands share: the error console, the guard that turns a known failure into
+one line and an exit code, and the options several commands take.
+
+Nothing here imports torch: `train --help` and a bad flag answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from launcher.cli import interrupt
+from launcher.errors import LauncherError
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def run_guarded(fn: Callable[[], int], debug: bool) -> None:
+    """Runs a command's body and exits with its code. Known failures print a short message;
+    a traceback only with --debug."""
+    try:
+        code = interrupt.unwinding(fn)
+    except LauncherError as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(Text("error: ", style="bold red") + Text(exc.render()))
+        code = exc.exit_code
+    raise typer.Exit(code)
+
+
+def flag_help(key: str) -> str:
+    """A `launch.*` flag's help: the spec key's own description, its one source of truth."""
+    from launcher.config.spec import LaunchSection
+
+    return LaunchSection.model_fields[key].description or ""
+
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The run spec (YAML).")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="KEY=VALUE",
+        help="Overrides of spec keys, e.g. optim.lr=3e-4 train.max_steps=500.",
+        show_default=False,
+    ),
+]
+DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
+
+# The flags that set `launch.*` keys: the run command's, and validate's (to check a spec as a
+# run with these flags would see it).
+AcceleratorOpt = Annotated[str | None, typer.Option(help=flag_help("accelerator"))]
+DevicesOpt = Annotated[str | None, typer.Option(help=flag_help("devices"))]
+StrategyOpt = Annotated[str | None, typer.Option(help=flag_help("strategy"))]
+MaxRestartsOpt = Annotated[str | None, typer.Option(help=flag_help("max_restarts"))]
+StallTimeoutOpt = Annotated[str | None, typer.Option(help=flag_help("stall_timeout"))]
+StrictCompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strict-compile",
+        help="XLA: stop the run when a new graph is compiled after warm-up "
+        "(sets xla.strict_compile).",
+    ),
+]

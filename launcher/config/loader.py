@@ -1,0 +1,183 @@
+"""Reading a run spec: YAML file + `key=value` overrides -> a validated `RunSpec`.
+
+Every problem is collected and reported at once, each naming its dotted key, the YAML line
+where there is one, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from launcher.config.optim import TORCH_FREE
+from launcher.config.spec import RunSpec
+from launcher.config.yaml_file import clip, echo, parse_yaml_value, read_yaml_file
+from launcher.errors import UsageError
+
+# Room for a message's own words around what it quotes.
+_MESSAGE_CHARS = 240
+
+
+def load_spec(
+    path: Path, overrides: list[str] | None = None, flags: dict[str, tuple[str, Any]] | None = None
+) -> RunSpec:
+    """Read, override and validate a spec. Raises `UsageError` listing every problem.
+
+    Precedence: `flags` ({dotted key: (flag name, value)}) > `overrides` (`key=value`) > YAML.
+    """
+    return load_spec_and_sources(path, overrides, flags)[0]
+
+
+def load_spec_and_sources(
+    path: Path,
+    overrides: list[str] | None = None,
+    flags: dict[str, tuple[str, Any]] | None = None,
+    torch_checks: bool = True,
+) -> tuple[RunSpec, dict[str, str]]:
+    """`load_spec`, and where each key that was given came from: {dotted key: "x.yaml:12" |
+    "override k=v (over x.yaml:12)" | "--devices"} (`launcher.config.sources` shows them).
+    `torch_checks=False` skips the checks that import torch (optimizer names)."""
+    raw, where = read_yaml_file(path)
+    _require_mapping(raw, source=str(path))  # before overrides are set into it
+    _absolutize_recipe(raw, path.parent)
+    sources = {key: f"{path}:{line.removeprefix('line ')}" for key, line in where.items()}
+    settings = [(*parse_override(text), f"override {clip(text)}") for text in overrides or []]
+    settings += [(key, value, flag) for key, (flag, value) in (flags or {}).items()]
+    for key, value, origin in settings:
+        _set_dotted(raw, key, value, origin=origin)
+        where[key] = origin
+        over = sources.get(key)
+        sources[key] = f"{origin} (over {over})" if over else origin
+        if key == "recipe.source":
+            _absolutize_recipe(raw, Path.cwd())
+    spec = validate_spec(raw, source=str(path), where=where, torch_checks=torch_checks)
+    return spec, sources
+
+
+def validate_spec(
+    raw: Any, source: str, where: dict[str, str] | None = None, torch_checks: bool = True
+) -> RunSpec:
+    _require_mapping(raw, source)
+    # The checks that need no torch first: a spec's mistakes are reported, all at once, before
+    # torch's seconds of import. Those that need it (optimizer names) come once these pass: a
+    # spec with both kinds of mistake is told of them in two rounds, for a CLI that answers at
+    # once.
+    spec = _validate(raw, source, where, TORCH_FREE)
+    return _validate(raw, source, where, None) if torch_checks else spec
+
+
+def _validate(raw: Any, source: str, where: dict[str, str] | None, context: Any) -> RunSpec:
+    try:
+        return RunSpec.model_validate(raw, context=context)
+    except ValidationError as exc:
+        problems = [_describe(err, where or {}) for err in exc.errors()]
+        noun = "problem" if len(problems) == 1 else "problems"
+        raise UsageError(
+            f"{source}: {len(problems)} {noun} in the run spec:",
+            details=problems,
+            hint="Fix the keys above; `train validate --config FILE` checks a spec without running it.",
+        ) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", key):
+        raise UsageError(
+            f"{echo(text)} is not an override: write section.key=value, e.g. optim.lr=3e-4"
+        )
+    return key, parse_yaml_value(value, origin=f"override {echo(text)}")
+
+
+def spec_to_yaml(spec: RunSpec) -> str:
+    # Unwrapped: a long string stays on its key's line, where spec.yaml's comment can follow it.
+    data = spec.model_dump(mode="json", by_alias=True)
+    return yaml.safe_dump(data, sort_keys=False, width=10**9)
+
+
+def _require_mapping(raw: Any, source: str) -> None:
+    if not isinstance(raw, dict):
+        raise UsageError(f"{source}: expected a mapping of sections (run, launch, recipe, …)")
+
+
+def _absolutize_recipe(raw: Any, base: Path) -> None:
+    recipe = raw.get("recipe") if isinstance(raw, dict) else None
+    source = recipe.get("source") if isinstance(recipe, dict) else None
+    if isinstance(source, str) and source.endswith(".py"):
+        recipe["source"] = str((base / source).resolve())
+
+
+def _set_dotted(raw: dict, key: str, value: Any, origin: str) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parents[: i + 1])
+            raise UsageError(f"{origin}: {where} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(err: dict, where: dict[str, str]) -> str:
+    path = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    # pydantic puts union members in loc (e.g. 'int', 'literal['auto']'); keep key names only.
+    path = [p for p in path if not re.match(r"^(int|float|str|bool|none)$|^literal\[", p)]
+    key = ".".join(path) or "(top level)"
+    message = clip(err["msg"].removeprefix("Value error, "), keep=_MESSAGE_CHARS)
+    if not path and re.match(r"^[a-z_]+\.[a-z_]+: ", message):
+        return message  # a rule across sections names its key
+    origin = where.get(key)
+    label = f"{clip(key)} ({origin})" if origin else clip(key)
+    return f"{label}: {_explain(err, path)}"
+
+
+def _explain(err: dict, path: list[str]) -> str:
+    kind, given = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(path[-1], _valid_keys(path[:-1]), n=1)
+        suggestion = f"; did you mean {'.'.join([*path[:-1], close[0]])!r}?" if close else ""
+        valid = ", ".join(_valid_keys(path[:-1]))
+        return f"unknown key{suggestion} (valid here: {valid})"
+    if kind == "missing":
+        return "required, but missing"
+    expected = {
+        "int_parsing": "an integer",
+        "int_type": "an integer",
+        "int_from_float": "an integer",
+        "float_parsing": "a number",
+        "float_type": "a number",
+        "bool_parsing": "true or false",
+        "bool_type": "true or false",
+        "string_type": "a string",
+        "dict_type": "a mapping",
+        "model_type": "a mapping",
+        "model_attributes_type": "a mapping",
+    }.get(kind)
+    if expected:
+        return f"expected {expected}, got {echo(given)}"
+    if kind == "literal_error":
+        return f"expected one of {err['ctx']['expected']}, got {echo(given)}"
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        return f"{err['msg'].replace('Input should be', 'must be')}, got {echo(given)}"
+    if kind == "string_pattern_mismatch":
+        return f"use letters, digits, '.', '_' or '-' (no spaces or slashes), got {echo(given)}"
+    if kind == "string_too_long":
+        return f"at most {err['ctx']['max_length']} characters, got {len(given):,}"
+    # A validator's own message may quote a value whole.
+    return clip(err["msg"].removeprefix("Value error, "), keep=_MESSAGE_CHARS)
+
+
+def _valid_keys(section_path: list[str]) -> list[str]:
+    model: type[BaseModel] = RunSpec
+    for part in section_path:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [f.alias or name for name, f in model.model_fields.items()]

@@ -1,0 +1,277 @@
+"""The run spec: one typed section per YAML block, and the one place every key is documented.
+
+Each field's `description` is the documentation: `train --help`, the README's config table
+(`launcher.config.reference`) and error messages all read it from here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+# The fsdp section's keys need long descriptions; it lives apart, re-exported here.
+from launcher.config.fsdp import FSDPSection
+
+# Sections that need torch to check themselves live apart; the spec re-exports them.
+from launcher.config.optim import OptimSection
+from launcher.config.training import Precision, ProfileSection, TrainSection
+
+Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
+StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
+Mode = Literal["min", "max"]
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a typo must never silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunSection(Section):
+    name: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        # It names folders, the longest torchelastic's `<name>-<8 hex>_<8 random>`: a file
+        # name holds 255 bytes.
+        max_length=128,
+        description="Name of the run: letters, digits, `.`, `_` and `-`, at most 128 "
+        "characters. New runs go to `<output_dir>/<name>/<timestamp>`, and `--resume latest` "
+        "picks the newest run of this name.",
+    )
+    seed: int = Field(
+        0, description="Seeds python, numpy and torch on every rank, and the sampler."
+    )
+    output_dir: str = Field(
+        "runs", description="Folder that holds the runs, relative to the working directory."
+    )
+
+
+def _devices(value: Any) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError(f"expected a positive number of devices or 'auto', got {value!r}")
+
+
+class LaunchSection(Section):
+    accelerator: Accelerator = Field(
+        "auto",
+        description="`cpu`, `gpu`, `tpu`, or `auto`: a TPU for the `xla*` strategies, else a GPU "
+        "if CUDA sees one, else the CPU.",
+    )
+    devices: Annotated[int | str, BeforeValidator(_devices)] = Field(
+        "auto",
+        description="Devices to use on this machine: a number, or `auto` (every GPU or TPU "
+        "device; 1 process on CPU). `ddp`/`fsdp` start a process per device, `xla` a replica "
+        "per device (1 or all), `xla_spmd`/`xla_fsdp` one process driving all of them.",
+    )
+    strategy: StrategyName = Field(
+        "ddp",
+        description="How replicas share work. CPU/GPU: `ddp` (a model replica per process, "
+        "gradients all-reduced) or `fsdp` (parameters, gradients and optimizer state sharded; "
+        "see `fsdp`). TPU (torch_xla): `xla` (a process per device, gradients all-reduced), "
+        "`xla_spmd` (SPMD data parallel: one process per host, the batch sharded over every "
+        "device) or `xla_fsdp` (SPMD with parameters sharded too, FSDPv2); see `xla`.",
+    )
+
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="After a failure, restart every rank from the latest complete checkpoint, "
+        "up to this many times (torch.distributed.elastic's restarts).",
+    )
+    stall_timeout: float | None = Field(
+        600.0,
+        gt=0,
+        description="Seconds without progress (no step finished) after which a rank counts as "
+        "hung: the launcher shows the stalled ranks' Python stacks and stops the run. "
+        "`null` turns the watchdog off.",
+    )
+
+
+class RecipeSection(Section):
+    source: str = Field(
+        ...,
+        description="The recipe: a `.py` file (relative to this YAML file) or a dotted module. "
+        "It defines `build_model`, `build_dataset` and `loss`.",
+    )
+    model: dict[str, Any] = Field({}, description="Keyword arguments for `build_model(**model)`.")
+    dataset: dict[str, Any] = Field(
+        {}, description="Keyword arguments for `build_dataset(split, **dataset)`."
+    )
+
+
+class DataSection(Section):
+    batch_size: PositiveInt = Field(32, description="Samples per device per micro-step.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    shuffle: bool = Field(
+        True,
+        description="Reshuffle every epoch (seeded by `run.seed`); a stream (IterableDataset) "
+        "shuffles itself.",
+    )
+    drop_last: bool = Field(
+        True, description="Drop the last incomplete batch, so every step has the same shape."
+    )
+
+
+class CheckpointSection(Section):
+    enabled: bool = Field(
+        True, description="Save checkpoints at all; `false` for throwaway runs and benchmarks."
+    )
+    every_n_steps: PositiveInt | None = Field(
+        None,
+        description="Save every this many steps; a last checkpoint is always saved at the end.",
+    )
+    keep_last: PositiveInt | None = Field(
+        None, description="Keep only the newest this many complete checkpoints (all when unset)."
+    )
+    async_: bool = Field(
+        False,
+        alias="async",
+        description="Write checkpoints in the background: training waits only while the state "
+        "is copied to memory.",
+    )
+    monitor: str | None = Field(
+        None,
+        description="Keep the best checkpoints by this evaluation metric, e.g. `val/loss`: an "
+        "evaluation whose score enters the best `keep_best` saves one. Needs "
+        "`eval.every_n_steps`.",
+    )
+    mode: Mode = Field(
+        "min", description="Whether a lower (`min`) or higher (`max`) `monitor` is better."
+    )
+    keep_best: PositiveInt = Field(
+        1,
+        description="Best checkpoints kept by `monitor`, apart from `keep_last`: never pruned "
+        "for being old. `--resume best` and `train export --best` use the best.",
+    )
+
+
+class EvalSection(Section):
+    every_n_steps: PositiveInt | None = Field(
+        None,
+        description="Evaluate the recipe's `val` split every this many steps and at the end of "
+        "training; `null`: never.",
+    )
+    max_batches: PositiveInt | None = Field(
+        None,
+        description="Batches per replica in each evaluation; `null`: the whole split (a "
+        "streamed split, an IterableDataset, needs a number).",
+    )
+
+
+class EarlyStopSection(Section):
+    monitor: str | None = Field(
+        None,
+        description="Stop training when this evaluation metric (e.g. `val/loss`) stops "
+        "improving; `null`: never. Needs `eval.every_n_steps`.",
+    )
+    mode: Mode = Field(
+        "min", description="Whether a lower (`min`) or higher (`max`) `monitor` is better."
+    )
+    patience: PositiveInt = Field(
+        3, description="Evaluations without improvement before the run stops."
+    )
+    min_delta: float = Field(
+        0.0, ge=0, description="The least change of `monitor` that counts as an improvement."
+    )
+
+
+class XLASection(Section):
+    strict_compile: bool = Field(
+        False,
+        description="Stop the run when XLA compiles a new graph after warm-up (also "
+        "`--strict-compile`); by default it is a warning that names the step.",
+    )
+    warmup_steps: PositiveInt | None = Field(
+        None,
+        description="Steps in which new XLA graphs are expected. Default: through the step "
+        "after the second log line, since the first steps, the first logged metrics, the step "
+        "after them and a resumed run's restored state each trace graphs of their own.",
+    )
+    compile_cache: bool = Field(
+        True,
+        description="Keep compiled graphs in `<run dir>/xla_cache`, so a resumed run does "
+        "not compile them again.",
+    )
+
+
+class LogSection(Section):
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files into `<run dir>/tb/` (rank 0, in the "
+        "background): training and `val/*` scalars, lr, throughput, TFLOP/s and memory. "
+        "`tensorboard --logdir runs/` shows every run; no `tensorboard` package is needed to "
+        "write them.",
+    )
+
+
+class RunSpec(Section):
+    run: RunSection = Field(
+        default_factory=RunSection, description="What the run is called and where it goes."
+    )
+    launch: LaunchSection = Field(
+        default_factory=LaunchSection, description="Where and how replicas run."
+    )
+    recipe: RecipeSection = Field(..., description="The user's model, data and loss.")
+    data: DataSection = Field(default_factory=DataSection, description="How batches are made.")
+    optim: OptimSection = Field(
+        # Built from its declared defaults, unvalidated: a factory's validation gets no context,
+        # so the default's torch checks would import torch in a torch-free pass.
+        default_factory=OptimSection.model_construct,
+        description="Optimizer and learning-rate schedule.",
+    )
+    train: TrainSection = Field(..., description="How long and how to step.")
+    checkpoint: CheckpointSection = Field(
+        default_factory=CheckpointSection, description="When to save, and what to keep."
+    )
+    eval: EvalSection = Field(
+        default_factory=EvalSection, description="Evaluation on the recipe's `val` split."
+    )
+    early_stop: EarlyStopSection = Field(
+        default_factory=EarlyStopSection, description="Stopping a run that stopped improving."
+    )
+    fsdp: FSDPSection = Field(
+        default_factory=FSDPSection, description="Options of `launch.strategy: fsdp`."
+    )
+    xla: XLASection = Field(
+        default_factory=XLASection,
+        description="Options of the torch_xla strategies `xla`, `xla_spmd` and `xla_fsdp`.",
+    )
+    log: LogSection = Field(
+        default_factory=LogSection, description="What each run records besides its logs."
+    )
+
+    @model_validator(mode="after")
+    def _monitors_need_evaluations(self) -> RunSpec:
+        for key, monitor in (
+            ("checkpoint.monitor", self.checkpoint.monitor),
+            ("early_stop.monitor", self.early_stop.monitor),
+        ):
+            if monitor is None:
+                continue
+            if not monitor.startswith("val/"):
+                raise ValueError(
+                    f"{key}: expected an evaluation metric such as 'val/loss', got {monitor!r}"
+                )
+            if self.eval.every_n_steps is None:
+                raise ValueError(f"{key}: needs evaluations; set eval.every_n_steps")
+        if self.checkpoint.monitor and not self.checkpoint.enabled:
+            raise ValueError("checkpoint.monitor: needs checkpoint.enabled: true")
+        if self.train.compile and self.launch.strategy.startswith("xla"):
+            raise ValueError(
+                f"train.compile: not for launch.strategy {self.launch.strategy} (XLA compiles "
+                "every step already); set it to false"
+            )
+        return self
+
+
+__all__ = [
+    "FSDPSection",
+    "OptimSection",
+    "Precision",
+    "ProfileSection",
+    "RunSpec",
+    "TrainSection",
+]

@@ -1,0 +1,148 @@
+"""Files between workers and the launcher: a worker never blocks on a terminal or a pipe.
+
+Workers write (paths: `launcher.rundir.layout`):
+- their status records (telemetry/rank-N.jsonl), each with its pid: the live table;
+- their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
+  and save (`step beats pid`): what the launcher's hang watchdog follows;
+- a failure record (telemetry/rank-N.failed) when they fail: the root cause;
+- rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json);
+  each metrics record also goes to an optional sink (TensorBoard's event files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from launcher.rundir.layout import RunLayout
+
+# The fields of a metrics record that say where a point is (its x axes), not a metric.
+NOT_METRICS = frozenset({"step", "epoch", "time"})
+
+
+def is_number(value: Any) -> bool:
+    """Whether a record's field holds a number (JSON's `true` is a bool, not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def read_beat(path: Path) -> tuple[int, int, int] | None:
+    """(step, beats, pid) from a heartbeat file, or None while there is none."""
+    try:
+        step, beats, pid = path.read_text().split()
+        return int(step), int(beats), int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+class MetricsSink(Protocol):
+    """Where rank 0's metrics records also go. `write` must return at once, whatever the
+    disk does: it is called between steps."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Telemetry:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        is_main: bool,
+        attempt: int = 0,
+        also: MetricsSink | None = None,  # gets every metrics record; closed by close()
+    ) -> None:
+        self.rank = rank
+        self.is_main = is_main
+        self.attempt = attempt
+        self.started = time.time()
+        self.first_step_end: float | None = None
+        self.step_times: list[float] = []
+        self.checkpoint_times: list[float] = []
+        self.layout = layout = RunLayout(run_dir)
+        layout.telemetry_dir.mkdir(exist_ok=True)
+        # Held open for the whole run (closed by close()); line-buffered so each record lands whole.
+        self._status = open(layout.telemetry(rank), "a", buffering=1)  # noqa: SIM115
+        self._metrics = (
+            open(layout.metrics, "a", buffering=1)  # noqa: SIM115
+            if is_main
+            else None
+        )
+        # One write in place per step: cheap at any step rate, and the file never grows.
+        self._beat = os.open(layout.beat(rank), os.O_WRONLY | os.O_CREAT, 0o644)
+        self._beats = 0
+        self._also = also
+
+    def beat(self, step: int) -> None:
+        """The heartbeat: alive, and step `step` is done."""
+        self._beats += 1
+        os.pwrite(self._beat, f"{step:>12} {self._beats:>12} {os.getpid():>10}\n".encode(), 0)
+
+    def step_done(self, seconds: float) -> None:
+        if self.first_step_end is None:
+            self.first_step_end = time.time()
+        self.step_times.append(seconds)
+
+    def checkpoint_blocked(self, seconds: float, same_save: bool = False) -> None:
+        """How long training waited for a checkpoint save (`same_save`: more of the last one)."""
+        if same_save and self.checkpoint_times:
+            self.checkpoint_times[-1] += seconds
+        else:
+            self.checkpoint_times.append(seconds)
+
+    def status(self, **fields: Any) -> None:
+        """A record of this rank's progress (step, loss, throughput) for the live table."""
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "time": time.time(),
+            **fields,
+        }
+        record["elapsed_s"] = round(record["time"] - self.started, 3)
+        self._status.write(json.dumps(record) + "\n")
+
+    def metrics(self, **fields: Any) -> None:
+        if self._metrics is not None:
+            record = {**fields, "time": round(time.time(), 3)}
+            self._metrics.write(json.dumps(record) + "\n")
+            if self._also is not None:
+                self._also.write(record)
+
+    def write_summary(self, **fields: Any) -> None:
+        if not self.is_main:
+            return
+        times = self.step_times
+        summary = {
+            "steps_run": len(times),
+            "first_step_end_unix": self.first_step_end,
+            "median_step_s": statistics.median(times) if times else None,
+            "step_times_s": times,
+            "checkpoint_blocked_s": self.checkpoint_times,
+            "wall_s": time.time() - self.started,
+            **fields,
+        }
+        self.layout.summary.write_text(json.dumps(summary, indent=1))
+
+    def close(self) -> None:
+        # The sink first: it never raises, and a file that fails to close (a full disk) must
+        # not cost the events still queued.
+        if self._also is not None:
+            self._also.close()
+        os.close(self._beat)
+        self._status.close()
+        if self._metrics is not None:
+            self._metrics.close()
+
+
+def record_failure(run_dir: Path, rank: int) -> None:
+    """When this rank failed, to the microsecond: the launcher names the rank that failed
+    first as the root cause (peers that lost it fail a moment later)."""
+    record = {"rank": rank, "pid": os.getpid(), "failed_at": time.time()}
+    with contextlib.suppress(OSError):
+        RunLayout(run_dir).failure(rank).write_text(json.dumps(record) + "\n")

@@ -1,0 +1,164 @@
+"""Strategy `fsdp`: parameters, gradients and optimizer state sharded with FSDP2 (`fully_shard`).
+
+The initial weights are bitwise what ddp starts from, built one of two ways (`fsdp.init`):
+
+- on the meta device: the model is sharded unit by unit, then materialised: each rank allocates
+  only its shards (`to_empty`) and the model's explicit initialisation (`WeightInit`) fills
+  them exactly as it fills the unsharded model (`sharded_init`). No rank ever holds the whole
+  model. Exact only where such an initialisation defines the weights: constructors that draw
+  weights themselves (torchvision's ResNet) are not run again on the materialised shards.
+- on CPU: every process builds the whole model as ddp does, and `fully_shard` shards it and
+  moves the shards to the device. Exact for any model; needs the whole model in host memory
+  in every process for a moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from launcher.config.spec import FSDPSection
+from launcher.metrics.memory import local_bytes
+from launcher.parallel.precision import dtype_of
+from launcher.parallel.shard_units import shard_units
+from launcher.parallel.sharded_init import UnsetByInit, initialize
+from launcher.parallel.torch_distributed import TorchDistributedStrategy
+from launcher.worker.recipe import WeightInit
+
+
+class FSDPStrategy(TorchDistributedStrategy):
+    name = "fsdp"
+
+    def __init__(
+        self, accelerator: str, precision: str, options: FSDPSection, **train: Any
+    ) -> None:
+        super().__init__(accelerator, precision, **train)
+        self.options = options
+        self.cpu_collectives = options.cpu_offload
+        # DTensor warns once per process that a CPU mesh has no RNG state of its own. The
+        # initial fills never use DTensor's random ops (`sharded_init` draws whole tensors from
+        # torch's generator), so on every CPU run the warning only adds noise.
+        warnings.filterwarnings(
+            "ignore", message="DTensor random operators may not have complete support"
+        )
+
+    def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
+        if self.world_size == 1 and not self._needs_fsdp_alone():
+            self.say(
+                "fsdp: 1 process, nothing to shard: the model runs unwrapped, as ddp's does "
+                "(fsdp.cpu_offload or fsdp.param_dtype keep FSDP)"
+            )
+            return self._plain(init.build(factory))
+        with torch.device("meta"):
+            model = factory()
+        self.say(shard_units(model, self.options.wrap).describe(model))
+        full_bytes = local_bytes(itertools.chain(model.parameters(), model.buffers()))
+        choice, exact, name = self.options.init, init.exact(model), type(model).__name__
+        if choice == "cpu" or (choice == "auto" and exact is None):
+            why = (
+                f"fsdp.init: auto: {name} has no explicit initialisation (an init_weights of "
+                "the recipe or the model, or a Hugging Face model's), so its constructors define "
+                "its weights"
+                if choice == "auto"
+                else "fsdp.init: cpu"
+            )
+            return self._build_on_cpu(factory, init, full_bytes, why)
+        if exact is None:
+            self.say(
+                f"fsdp.init: meta: {name} has no explicit initialisation, so each module's "
+                "reset_parameters() initialises its shards: not proven equal to a plain build "
+                "(ddp), whose constructors may draw otherwise; fsdp.init: cpu builds it exactly"
+            )
+        else:
+            self.say(f"fsdp.init: {choice}: {exact} initialises each rank's shards (meta device)")
+        try:
+            return self._materialise(model, init)
+        except UnsetByInit as unset:
+            if choice != "auto":
+                raise
+            left = ", ".join(unset.names[:4]) + (" ..." if len(unset.names) > 4 else "")
+            why = f"fsdp.init: auto: {exact} leaves {left} unset on the meta device"
+            return self._build_on_cpu(factory, init, full_bytes, why)
+
+    def _materialise(self, model: nn.Module, init: WeightInit) -> nn.Module:
+        self.wrap_model(model)
+        # Offloaded shards live in CPU memory; FSDP moves them to the GPU when it needs them.
+        model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
+        initialize(model, init)
+        return model
+
+    def _build_on_cpu(
+        self, factory: Callable[[], nn.Module], init: WeightInit, full_bytes: int, why: str
+    ) -> nn.Module:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torch.distributed's own
+        self.say(
+            f"{why}: every process builds the whole model on CPU as ddp does, then shards it: "
+            f"{_size(full_bytes)} of host memory per process, {_size(full_bytes * processes)} "
+            f"for the {processes} on this machine"
+        )
+        # fully_shard moves each unit to the mesh's device as it shards it (offloaded shards
+        # go back to CPU), so the device never holds more than one whole unit.
+        return self.wrap_model(init.build(factory))
+
+    def _needs_fsdp_alone(self) -> bool:
+        """What only FSDP does, even for one process: offloading, and gathering parameters
+        in another dtype."""
+        return self.options.cpu_offload or self.options.param_dtype is not None
+
+    def _plain(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        units = shard_units(model, self.options.wrap).modules
+        self._checkpoint_activations(units)
+        self.compile_units(model, units)
+        return model
+
+    def _checkpoint_activations(self, units: list[nn.Module]) -> None:
+        if self.options.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for unit in units:
+                checkpoint(unit)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        units = shard_units(model, self.options.wrap).modules
+        kwargs: dict[str, Any] = {
+            # The run's device, also where it is not torch's default accelerator (a CPU run
+            # on a machine with a GPU).
+            "mesh": init_device_mesh(self.device.type, (self.world_size,)),
+            "reshard_after_forward": self.options.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=dtype_of(self.options.param_dtype),
+                reduce_dtype=dtype_of(self.options.reduce_dtype),
+            ),
+        }
+        if self.options.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        self._checkpoint_activations(units)
+        self.compile_units(model, units)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def sync_gradients(
+        self, model: nn.Module, sync: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"

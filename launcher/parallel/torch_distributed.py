@@ -1,0 +1,152 @@
+"""What ddp and fsdp share: a torch.distributed process group on CPU (gloo) or GPU (nccl)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.parallel import regional_compile
+from launcher.parallel.base import Strategy, gradient_norm
+from launcher.parallel.precision import MixedPrecision
+
+
+class TorchDistributedStrategy(Strategy):
+    # Set where GPU runs also need collectives on CPU tensors (e.g. offloaded shards).
+    cpu_collectives = False
+
+    def __init__(
+        self,
+        accelerator: str,
+        precision: str,
+        *,
+        compile: bool = False,  # train.compile
+        tf32: bool = True,  # train.tf32
+        compile_cache: Path | None = None,  # inductor's cache: the run folder's
+    ) -> None:
+        self.accelerator = accelerator
+        self.precision_name = precision
+        self.compile, self.tf32 = compile, tf32
+        self.guard = regional_compile.compile_guard() if compile else None
+        if compile:
+            regional_compile.use_cache(compile_cache)
+
+    def setup(self) -> None:
+        # torch.distributed's launcher defines these; nothing else passes between the layers.
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if self.accelerator == "gpu":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            # fp32 matmuls on tensor cores (TF32): what every peer's fast path does.
+            torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+            torch.backends.cudnn.allow_tf32 = self.tf32
+            backend = "cpu:gloo,cuda:nccl" if self.cpu_collectives else "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend,
+                device_id=self.device if self.device.type == "cuda" else None,
+                timeout=timedelta(minutes=10),
+            )
+        self.precision = MixedPrecision(self.precision_name, self.device.type)
+        # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
+        self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def compile_units(self, model: nn.Module, units: list[nn.Module]) -> None:
+        """`train.compile`: compiles `units` (the model's repeated blocks) in place, or the
+        whole model where there are none. Call after activation checkpointing and before
+        the model is distributed, so that DDP's and FSDP's hooks stay outside the graphs."""
+        if self.compile:
+            self.say(regional_compile.compile_regions(model, units))
+
+    def on_step_end(self, step: int) -> None:
+        if self.guard is not None:
+            self.guard.after_step(step)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        if self.guard is not None:
+            self.guard.absorb()
+        yield
+        if self.guard is not None:
+            self.guard.after_phase(name, step)
+
+    def summary(self) -> dict[str, Any]:
+        if self.guard is None:
+            return {}
+        return {**self.guard.summary("dynamo"), "compile_cache": regional_compile.cache_use()}
+
+    def say(self, text: str) -> None:
+        """One line from rank 0."""
+        if self.is_main:
+            print(text, flush=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def finish_gradients(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
+    ) -> torch.Tensor | None:
+        self.precision.unscale(optimizer)  # the norm is of the true gradients
+        norm = gradient_norm(model, max_norm)
+        # fp16's scaler skips the steps whose gradients overflowed: not a failure of the run.
+        return None if self.precision.scaler else norm
+
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
+        self.precision.skip()
+        optimizer.zero_grad(set_to_none=True)
+
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.detach().to(self.device, torch.float64).clone()
+        # gloo has no AVG, so sum and divide everywhere.
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values / self.world_size
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def control_group(self) -> Any:
+        return self._control
+
+    def checkpoint_group(self) -> Any:
+        # gloo: DCP's async writer needs a CPU backend, and its own group keeps its
+        # collectives from interleaving with the training step's.
+        return dist.new_group(backend="gloo")
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd, "precision": self.precision.state_dict()}
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        self.precision.load_state_dict(state.get("precision", {}))
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

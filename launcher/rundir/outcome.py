@@ -1,0 +1,93 @@
+"""How a run ended, as its launcher records it in the run folder (`RunLayout.outcome`); the
+launcher (`launch/execute.py`) writes it, `train runs` (`launcher/runs/`) reads it:
+
+    {"status": "finished", "exit_code": 0, "reason": "", "started": 1795597465.1,
+     "ended": 1795597466.5, "host": "node01", "pid": 3660}
+
+`status` is one of:
+- `finished`: the run ended by itself (its steps are done, or an early stop), exit code 0;
+- `failed`: a rank failed or hung, or the launcher itself failed; `exit_code` is `train`'s;
+- `stopped`: a stop asked for from outside (Ctrl-C, SIGTERM, SIGHUP: a preemption, or
+  another node's stop request); `reason` names it. Such a run resumes where it saved.
+
+`started` is when this attempt began (a resumed run's latest attempt). A folder with no record
+and no launcher holding its lock ended without a word (its launcher was killed, or its machine
+lost): `train runs` calls it `interrupted`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from launcher.errors import INTERRUPTED, LauncherError
+from launcher.rundir.layout import RunLayout
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    status: str
+    exit_code: int
+    ended: float
+    started: float | None = None
+    reason: str = ""
+
+
+def read_outcome(layout: RunLayout) -> RunOutcome | None:
+    """The recorded outcome, or None: none was written, or it cannot be read."""
+    try:
+        record = json.loads(layout.outcome.read_text())
+        return RunOutcome(
+            status=str(record["status"]),
+            exit_code=int(record["exit_code"]),
+            ended=float(record["ended"]),
+            started=record.get("started"),
+            reason=str(record.get("reason") or ""),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class OutcomeRecorder:
+    """Records how the launch ended: `record` when it returns, or the exception it raises
+    (a KeyboardInterrupt is a stop). The record of an earlier attempt is removed on entry, so
+    that an attempt killed outright leaves none. `enabled`: this node writes the run's files."""
+
+    def __init__(self, layout: RunLayout, enabled: bool = True) -> None:
+        self.layout, self.enabled = layout, enabled
+        self.started = time.time()
+        self.done = False
+
+    def __enter__(self) -> OutcomeRecorder:
+        if self.enabled:
+            self.layout.outcome.unlink(missing_ok=True)
+        return self
+
+    def record(self, exit_code: int, stopped: bool = False, reason: str = "") -> None:
+        status = "stopped" if stopped else "finished" if exit_code == 0 else "failed"
+        self.done = True
+        if not self.enabled:
+            return
+        outcome = RunOutcome(status, exit_code, round(time.time(), 3), self.started, reason)
+        record = {**asdict(outcome), "host": socket.gethostname(), "pid": os.getpid()}
+        path = self.layout.outcome
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        # Whole or not at all: a reader never sees half of it. A failed write changes nothing
+        # of the run's own result (`train runs` then calls it interrupted).
+        with contextlib.suppress(OSError):
+            partial.write_text(json.dumps(record, indent=1) + "\n")
+            partial.replace(path)
+
+    def __exit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
+        if self.done or kind is None:
+            return
+        if issubclass(kind, KeyboardInterrupt):
+            self.record(INTERRUPTED, stopped=True, reason="SIGINT")
+        elif isinstance(error, LauncherError):
+            self.record(error.exit_code, reason=error.message.splitlines()[0][:200])
+        else:
+            self.record(1, reason=f"{kind.__name__} in the launcher")

@@ -1,0 +1,59 @@
+"""The one channel from the launcher to its workers: a resolved plan, written as JSON into the
+node's folder before the workers start (`RunLayout.worker_plan`).
+
+A worker reads this file and the environment torch.distributed defines (RANK, WORLD_SIZE,
+TORCHELASTIC_RESTART_COUNT, ...), and nothing else of the launcher's. The few variables the
+launcher sets for libraries (OMP_NUM_THREADS, glibc's and XLA's) are settings of those
+libraries, not a channel: the worker's own code never reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from launcher.config.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    run_dir: Path
+    # The resolved spec, as JSON (`launch.accelerator` and `launch.devices` are never `auto`).
+    # Validated by `run_spec()`: reading the plan must not import torch, which starts threads
+    # before the worker has set its signal mask.
+    spec: dict[str, Any]
+    accelerator: str  # "cpu", "gpu" or "tpu"
+    # xla: torch_xla's spawn starts the replicas from one worker, one per device ("all") or
+    # just one ("1"); None: the worker is the replica.
+    xla_spawn: str | None = None
+    rank_offset: int = 0  # a TPU pod host's first global rank: its agent numbers from 0
+    # The checkpoint the run's first attempt resumes from (the resume rule decides for every
+    # attempt: `launcher.checkpoint.checkpointer.resume_point`).
+    resume_from: Path | None = None
+    compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
+
+    def run_spec(self) -> RunSpec:
+        from launcher.config.spec import RunSpec
+
+        return RunSpec.model_validate(self.spec)
+
+    def write(self, path: Path) -> None:
+        record: dict[str, Any] = asdict(self)
+        record["run_dir"] = str(self.run_dir)
+        for key in ("resume_from", "compile_cache"):
+            record[key] = str(record[key]) if record[key] is not None else None
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        partial.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> WorkerPlan:
+        record = json.loads(path.read_text())
+        record["run_dir"] = Path(record["run_dir"])
+        for key in ("resume_from", "compile_cache"):
+            record[key] = Path(record[key]) if record[key] is not None else None
+        return cls(**record)

@@ -1,0 +1,198 @@
+"""Evaluation on the recipe's `val` split: the exact mean over the split, on any number of
+replicas.
+
+Every replica runs the same number of batches of the same shapes (FSDP gathers parameters in
+every forward, XLA compiles each shape): the sampler pads the split to a multiple of the world
+size by repeating samples, as DistributedSampler does. Padding is never counted: it sits at
+the end of each replica's share, so a batch holding some is cut to its real samples, and a
+batch of padding alone runs for the collectives but weighs nothing. Each batch's metrics are
+weighted by its number of real samples, and sums and counts are reduced across replicas, so
+1, 2 or 3 processes give the same mean.
+
+A streamed split (an IterableDataset) is read from its start at every evaluation, each rank
+its own share (`launcher.worker.stream`), for exactly `eval.max_batches` batches on every rank;
+the mean is over the samples read.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from launcher.config.spec import RunSpec
+from launcher.errors import RunError, UsageError
+from launcher.parallel.base import Strategy
+from launcher.worker.data import batch_size, dataset_length, is_stream
+from launcher.worker.recipe import Recipe
+from launcher.worker.stream import StreamShare
+
+
+class Evaluator:
+    def __init__(self, recipe: Recipe, spec: RunSpec, strategy: Strategy) -> None:
+        self.recipe, self.strategy = recipe, strategy
+        dataset = recipe.build_dataset("val", **spec.recipe.dataset)
+        world, rank = strategy.world_size, strategy.rank
+        self.batch = spec.data.batch_size * strategy.devices_per_process
+        self.seed = spec.run.seed * 1_000_003 + rank
+        loader = functools.partial(
+            DataLoader,
+            batch_size=self.batch,
+            num_workers=spec.data.num_workers,
+            pin_memory=strategy.device.type == "cuda",
+            generator=torch.Generator(),  # its seeds never come from the training streams
+        )
+        limit = spec.eval.max_batches
+        self.weights: list[int] | None = None  # a stream's batches weigh their own size
+        if is_stream(dataset):
+            self.stream_batches = stream_eval_batches(limit)
+            self.loader = loader(StreamShare(dataset, rank, world, repeat=False))
+            return
+        size = _same_everywhere(dataset_length(dataset, "val"), strategy)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False
+        )
+        _check_spmd_hosts(size, world, self.batch, strategy.devices_per_process)
+        self.loader = loader(dataset, sampler=sampler)
+        batches = len(self.loader) if limit is None else min(limit, len(self.loader))
+        # The sampler deals the split round-robin: replica r's real samples are r, r+W, ...
+        real, share = len(range(rank, size, world)), sampler.num_samples
+        self.weights = [
+            max(0, min(real - i * self.batch, share - i * self.batch, self.batch))
+            for i in range(batches)
+        ]
+
+    def run(self, model: torch.nn.Module, step: int, alive: Callable[[], None]) -> dict[str, float]:
+        """Collective: the split's mean of every metric, as `val/<name>`, the same on every
+        rank. The training random streams are left as they were; `alive` is called after
+        each batch (the hang watchdog's heartbeat)."""
+        strategy = self.strategy
+        rng = strategy.rng_state()
+        assert self.loader.generator is not None  # the same worker seeds at every evaluation
+        self.loader.generator.manual_seed(self.seed)
+        was_training = model.training
+        model.eval()
+        try:
+            with strategy.phase("eval", step), torch.no_grad():
+                sums, count = self._accumulate(model, alive)
+                # The last batch's work runs on its own: on XLA, replicas whose last batches
+                # differ in size would otherwise run different programs around one all-reduce.
+                strategy.drain()
+                names = sorted(sums)
+                values = torch.stack([*(sums[k] for k in names), count])
+                reduced = strategy.reduce_mean(values).cpu().tolist()
+        finally:
+            model.train(was_training)
+            strategy.set_rng_state(rng)
+        *totals, samples = reduced
+        return {f"val/{k}": total / samples for k, total in zip(names, totals, strict=True)}
+
+    def _accumulate(
+        self, model: torch.nn.Module, alive: Callable[[], None]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        device = self.strategy.device
+        sums: dict[str, torch.Tensor] = {}
+        count = torch.zeros((), device=device)
+        if self.weights is None:
+            limit = self.stream_batches
+            weights: Iterable[int | None] = itertools.repeat(None, limit)
+            batches = self.strategy.loader(itertools.islice(self.loader, limit))
+        else:
+            weights = self.weights
+            batches = self.strategy.loader(_RealSamples(self.loader, self.weights))
+        taken = 0
+        for weight, batch in zip(weights, batches, strict=False):
+            taken += 1
+            if weight is None:
+                weight = batch_size(batch)
+            with self.strategy.autocast():
+                metrics = self.recipe.evaluate(model, batch)
+            if sums and sorted(metrics) != sorted(sums):
+                raise RunError(
+                    f"recipe: evaluate() returned {sorted(metrics)} for one batch and "
+                    f"{sorted(sums)} for another; every batch must give the same metrics"
+                )
+            # A tensor, not a Python number: XLA would bake each new number into its graph.
+            w = torch.tensor(float(weight), device=device)
+            for name, value in metrics.items():
+                value = torch.as_tensor(value, device=device).detach().float() * w
+                sums[name] = sums[name] + value if name in sums else value
+            count = count + w
+            alive()
+        if self.weights is None and taken < self.stream_batches:
+            # Every rank must run as many batches (FSDP's forward gathers across ranks).
+            raise RunError(
+                f"eval.max_batches: the val stream gave rank {self.strategy.rank} only {taken} "
+                f"of {self.stream_batches} batches",
+                hint="Lower eval.max_batches to what every rank's share of the stream holds.",
+            )
+        return sums, count
+
+
+class _RealSamples:
+    """The loader's batches, each cut to its real samples (a batch of padding alone stays
+    whole: it runs, weighing nothing)."""
+
+    def __init__(self, loader: DataLoader, weights: list[int]) -> None:
+        self.loader, self.weights = loader, weights
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __iter__(self) -> Iterator[Any]:
+        for weight, batch in zip(self.weights, self.loader, strict=False):
+            yield _take(batch, weight) if 0 < weight < batch_size(batch) else batch
+
+
+def _take(batch: Any, n: int) -> Any:
+    """The first `n` samples of a collated batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, list) and not any(
+        isinstance(v, torch.Tensor | list | tuple | dict) for v in batch
+    ):
+        return batch[:n]  # one item per sample (strings, say), as default_collate makes them
+    if isinstance(batch, dict):
+        return {k: _take(v, n) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        items = [_take(v, n) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def _same_everywhere(size: int, strategy: Strategy) -> int:
+    """Every rank must build the same split: a rank with more batches would wait forever in
+    a collective of its forward (FSDP) for ranks that are done."""
+    sizes = strategy.gather(size)
+    if len(set(sizes)) > 1:
+        raise RunError(
+            f"recipe: build_dataset('val') gives {', '.join(map(str, sizes))} samples on ranks "
+            f"0-{len(sizes) - 1}; every rank must build the same split"
+        )
+    return size
+
+
+def stream_eval_batches(limit: int | None) -> int:
+    """The batches each rank evaluates of a streamed val split: `eval.max_batches`, which a
+    stream needs, since it may never end."""
+    if limit is None:
+        raise UsageError(
+            "eval.max_batches: the val split is a stream (an IterableDataset); set "
+            "eval.max_batches, the batches each process evaluates"
+        )
+    return limit
+
+
+def _check_spmd_hosts(size: int, world: int, batch: int, devices: int) -> None:
+    # Under SPMD every host feeds its part of one global batch: batches cut to their real
+    # samples would differ in size from host to host.
+    if devices > 1 and world > 1 and size % (world * batch):
+        raise UsageError(
+            f"eval: with {world} hosts of {devices} devices, the val split ({size} samples) "
+            f"must be a multiple of {world * batch} (hosts x data.batch_size x devices)",
+            hint="Trim or pad the val split in the recipe's build_dataset.",
+        )

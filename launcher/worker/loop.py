@@ -1,0 +1,289 @@
+"""The one training loop. It asks the strategy for everything backend-specific."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.checkpoint import checkpointer as checkpoint
+from launcher.config.spec import RunSpec
+from launcher.metrics import memory
+from launcher.metrics.telemetry import Telemetry
+from launcher.metrics.tensorboard import TensorBoardSink
+from launcher.parallel.base import Strategy
+from launcher.rundir.layout import RunLayout
+from launcher.worker.data import batch_size, build_feed, steps_per_epoch, total_steps
+from launcher.worker.evaluation import Evaluator
+from launcher.worker.flops import Speed
+from launcher.worker.metrics_window import MetricsWindow
+from launcher.worker.optim import build_optimizer, build_scheduler
+from launcher.worker.profiling import StepProfiler
+from launcher.worker.recipe import Recipe, WeightInit
+from launcher.worker.reporting import Reporter
+from launcher.worker.resume import restart_note, restore
+from launcher.worker.state import ModelState, Progress, TrainState
+
+
+class Trainer:
+    """Builds everything a run needs (`__init__`), then trains it (`fit`)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        recipe: Recipe,
+        strategy: Strategy,
+        run_dir: Path,
+        attempt: int = 0,  # restarts of the run so far (torch.distributed.elastic's count)
+        resume_from: Path | None = None,  # the plan's; `checkpoint.resume_point` decides
+    ) -> None:
+        self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
+        self.layout = RunLayout(run_dir)
+        # First, so that the hang watchdog sees this process alive while it builds and restores.
+        sink = TensorBoardSink.for_rank(spec.log, run_dir, strategy.is_main)
+        self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, also=sink)
+        self.telemetry.beat(0)
+        strategy.seed(spec.run.seed)
+        self.resume_from = checkpoint.resume_point(run_dir, resume_from, strategy)
+        if attempt:
+            print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
+        rss_before_build = memory.rss_bytes()
+        self.model = strategy.build_model(
+            lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
+        )
+        self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
+        self.feed = build_feed(
+            recipe.build_dataset("train", **spec.recipe.dataset),
+            spec.data,
+            spec.train,
+            strategy.rank,
+            strategy.world_size,
+            spec.run.seed,
+            pin_memory=strategy.device.type == "cuda",
+            devices_per_process=strategy.devices_per_process,
+        )
+        per_epoch = self.feed.batches_per_epoch  # None: a stream, which has no epochs
+        accum = spec.train.grad_accum_steps
+        self.steps_per_epoch = per_epoch and steps_per_epoch(per_epoch, accum)
+        self.total_steps = total_steps(spec.train, self.steps_per_epoch)
+        self.optimizer = build_optimizer(
+            spec.optim, self.model.parameters(), strategy.optimizer_defaults(), strategy.device.type
+        )
+        self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
+        self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed)
+        self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
+        micro_batches = accum / strategy.devices_per_process  # per step and device
+        self.speed = Speed(strategy.device, spec.train.precision, spec.train.tf32, micro_batches)
+        self.report = Reporter(
+            spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
+        )
+        self.profiler = StepProfiler(
+            spec.train.profile, self.layout, strategy.rank, strategy.device
+        )
+        self.checkpointer = checkpoint.Checkpointer(
+            strategy,
+            run_dir,
+            ModelState(strategy, self.model, self.optimizer),
+            self.state,
+            keep_last=spec.checkpoint.keep_last,
+            use_async=spec.checkpoint.async_,
+        )
+
+    @property
+    def progress(self) -> Progress:
+        return self.state.progress
+
+    def fit(self) -> None:
+        if self.resume_from is not None:
+            restore(self.resume_from, self.checkpointer, self.state, self.strategy, self.spec)
+        self.telemetry.beat(self.progress.step)
+        resumed = self.progress.step if self.resume_from else None
+        self.report.introduce(self.model, self.feed.samples, resumed)
+        try:
+            self._run()
+        finally:
+            self.telemetry.close()
+
+    def _run(self) -> None:
+        spec, progress = self.spec, self.progress
+        self.saved_at = progress.step
+        # Asked while the ranks were starting (a preemption, Ctrl-C on another node): no step.
+        stopped = self.strategy.any_rank(self.layout.stop_request.exists())
+        if stopped:
+            self._say(f"stop requested: stopping before step {progress.step + 1}")
+        while progress.step < self.total_steps and not stopped:
+            loaded = self.feed.start(progress.epoch, progress.samples_in_epoch)
+            batches = self.feed.batches(self.strategy.loader(loaded))
+            left = self.feed.steps_left(spec.train.grad_accum_steps)
+            for _ in range(min(left, self.total_steps - progress.step)):
+                started = time.perf_counter()
+                self.profiler.before_step(progress.step + 1)
+                self._step(batches)
+                self.profiler.after_step(progress.step)
+                self.telemetry.step_done(time.perf_counter() - started)
+                self.telemetry.beat(progress.step)
+                stopped = self._after_step()
+                if stopped:
+                    break
+            if progress.step < self.total_steps and not stopped:  # the epoch ran out
+                progress.epoch += 1
+                progress.samples_in_epoch = 0
+        if self.saved_at != progress.step and spec.checkpoint.enabled:
+            self._save()
+        else:  # nothing went bad unnoticed, also where log lines are read late (XLA)
+            self._check_finite()
+        self._finish()
+
+    def _after_step(self) -> bool:
+        """Logs, evaluates and saves as the spec says; returns whether to stop here."""
+        spec, step = self.spec, self.progress.step
+        last = step == self.total_steps
+        if step % spec.train.log_every == 0 or last:
+            self._log()
+        every_eval = spec.eval.every_n_steps
+        evaluate = every_eval is not None and (step % every_eval == 0 or last)
+        # A stop request (a preemption's grace period) does not wait for an evaluation.
+        evaluate = evaluate and not self.strategy.any_rank(self.layout.stop_request.exists())
+        best = evaluate and self._evaluate()
+        every = spec.checkpoint.every_n_steps
+        if spec.checkpoint.enabled and (best or (every and step % every == 0)):
+            self._save()
+        self.checkpointer.poll()
+        # Every rank must agree on the step, or a rank that saw a reason late would wait for
+        # the others: the launcher's stop request (a file: Ctrl-C, SIGTERM), a non-finite
+        # loss, early stopping. One small all-reduce.
+        early = evaluate and self.state.early is not None and self.state.early.should_stop
+        requested, bad, early = self.strategy.any_rank_each(
+            [self.layout.stop_request.exists(), self.state.nonfinite.tripped, early]
+        )
+        if bad:
+            self._stop_nonfinite()
+        if early and not last:
+            self._say(self.state.early.message())  # type: ignore[union-attr]
+        elif requested:
+            self._say(f"stop requested: stopping after step {step}")
+        return requested or early
+
+    def _evaluate(self) -> bool:
+        """Evaluates the model; returns whether this is one of the best checkpoints."""
+        assert self.evaluator is not None
+        step = self.progress.step
+        started = time.perf_counter()
+        metrics = self.evaluator.run(self.model, step, lambda: self.telemetry.beat(step))
+        seconds = time.perf_counter() - started
+        self.state.window.restart_clock()  # the evaluation is not training throughput
+        self.report.evaluation(step, self.progress.epoch, metrics, seconds)
+        if self.state.early is not None:
+            self.state.early.update(step, metrics)
+        best = self.state.best is not None and self.state.best.offer(step, metrics)
+        return self.strategy.from_main(best)  # a save is collective: rank 0 decides
+
+    def _finish(self) -> None:
+        self.profiler.close()
+        self.checkpointer.close()
+        self.strategy.drain()
+        self.memory.update(
+            params=memory.local_bytes(self.model.parameters()),
+            optimizer=memory.optimizer_bytes(self.optimizer),
+            peak_rss=memory.peak_rss_bytes(),
+        )
+        self.report.finish(
+            self.progress.step,
+            self.memory,
+            self.strategy.summary(),
+            best=self.layout.best() if self.state.best else None,
+            skipped=self.state.nonfinite.skipped,
+            last=self.layout.latest_complete(),
+        )
+
+    def _step(self, batches: Any) -> None:
+        accum = self.spec.train.grad_accum_steps
+        total_loss: torch.Tensor | None = None
+        totals: dict[str, torch.Tensor] = {}
+        samples = 0
+        for i in range(accum):
+            batch = next(batches)
+            if not self.speed.counted:  # the first micro-batch of this process
+                self._say(self.speed.count(self.recipe, self.spec.recipe.model, batch) or "")
+            samples += batch_size(batch)
+            with self.strategy.sync_gradients(self.model, sync=i == accum - 1):
+                with self.strategy.autocast():
+                    loss, metrics = self.recipe.loss(self.model, batch)
+                self.strategy.backward(loss / accum if accum > 1 else loss)
+            # Accumulate on the device: reading a value here would stall the pipeline.
+            loss = loss.detach().float()
+            total_loss = loss if total_loss is None else total_loss + loss
+            for k, v in metrics.items():
+                value = torch.as_tensor(v, device=self.strategy.device).detach().float()
+                totals[k] = totals[k] + value if k in totals else value
+        if "grads" not in self.memory:
+            self.memory["grads"] = memory.local_bytes(p.grad for p in self.model.parameters())
+        waited = self.checkpointer.before_update()
+        if waited:
+            self.telemetry.checkpoint_blocked(waited, same_save=True)
+        assert total_loss is not None
+        clip = self.spec.train.grad_clip_norm
+        norm = self.strategy.finish_gradients(self.model, self.optimizer, clip)
+        step = self.progress.step + 1
+        applied = self.state.nonfinite.allows_update(step, total_loss, norm)
+        if applied:
+            self.strategy.apply_update(self.optimizer)
+        else:
+            self.strategy.drop_update(self.optimizer)
+        self.scheduler.step()
+        if accum > 1:
+            total_loss, totals = total_loss / accum, {k: v / accum for k, v in totals.items()}
+        if applied:  # a skipped step's NaN would spoil the whole window's means
+            # Before the step's graph is cut (XLA): the window's sums are part of the step.
+            self.state.window.add(total_loss, totals)
+        self.strategy.on_step_end(step)
+        self.progress.step = step
+        # Every replica's shard has the same length (the sampler pads), so the global count is
+        # exact, also for a short last batch (data.drop_last: false).
+        self.progress.samples_in_epoch += samples * self.strategy.world_size
+
+    def _log(self) -> None:
+        window = self.state.window
+        if not window.steps:  # every update of the window was skipped (train.on_nonfinite)
+            return
+        self.state.window = MetricsWindow()
+        self.report.log(
+            window,
+            self.progress.step,
+            self.progress.epoch,
+            self.scheduler.get_last_lr()[0],
+            self.state.nonfinite.device_record(),
+            then=self.state.nonfinite.note,
+        )
+
+    def _save(self) -> None:
+        started = time.perf_counter()
+        # Saving must not move the random streams (XLA advances its seed at every graph cut),
+        # or the run would go on drawing other numbers than a run resumed from this save.
+        rng = self.strategy.rng_state()
+        self._check_finite()
+        # The check cut XLA's graph: the checkpoint must record the streams from before it.
+        self.strategy.set_rng_state(rng)
+        self.checkpointer.save(self.progress.step)
+        self.saved_at = self.progress.step
+        self.telemetry.beat(self.progress.step)  # a long save is not a hang
+        self.strategy.set_rng_state(rng)
+        self.telemetry.checkpoint_blocked(time.perf_counter() - started)
+
+    def _check_finite(self) -> None:
+        """Collective: a rank that saw a non-finite value stops every rank, unsaved."""
+        with self.strategy.phase("check", self.progress.step):
+            bad = self.state.nonfinite.check_now(self.model)
+        if self.strategy.any_rank(bad):
+            self._stop_nonfinite()
+
+    def _stop_nonfinite(self) -> None:
+        """Collective: ends the run with exit 1, naming what went bad and where; the saves
+        under way (all of finite weights) are published first."""
+        self.checkpointer.close()
+        raise self.state.nonfinite.failure(self.layout.latest_complete())
+
+    def _say(self, text: str, every_rank: bool = False) -> None:
+        self.report.say(text, every_rank)

@@ -1,0 +1,250 @@
+"""Importing a user's recipe: a `.py` file anywhere on disk, or a dotted module.
+
+A recipe defines:
+  build_model(**model) -> nn.Module
+  build_dataset(split, **dataset) -> torch.utils.data.Dataset
+  loss(model, batch) -> Tensor | (Tensor, dict of metrics)
+and may define
+  evaluate(model, batch) -> dict of metrics | Tensor | (Tensor, dict)
+for evaluation on the `val` split (default: `loss`), each metric a mean over the batch, and
+`state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a checkpoint must keep
+(tensors, numbers, strings, lists and dicts of them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from launcher.errors import UsageError
+from launcher.parallel.hugging_face import init_hf_weights, is_hf_model
+from launcher.parallel.rng import seed_everything
+
+REQUIRED = ("build_model", "build_dataset", "loss")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    source: str
+    module: ModuleType
+
+    def build_model(self, **kwargs: Any) -> torch.nn.Module:
+        model = call_user("recipe.model", self.module.build_model, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(
+                f"{self.source}: build_model() returned {type(model).__name__}, expected an nn.Module"
+            )
+        return model
+
+    def build_dataset(self, split: str, **kwargs: Any) -> torch.utils.data.Dataset:
+        return call_user("recipe.dataset", self.module.build_dataset, split, **kwargs)
+
+    def init_entry(self, model: torch.nn.Module) -> tuple[str, Callable[[], None]] | None:
+        """The explicit initialisation of `model`, named for messages: the recipe's
+        `init_weights(model)`, else a Hugging Face model's own init, else the model's
+        `init_weights()`. None where only the constructors define the weights."""
+        hook = getattr(self.module, "init_weights", None)
+        if callable(hook):
+            return "the recipe's init_weights(model)", lambda: hook(model)
+        name = type(model).__name__
+        if is_hf_model(model):
+            return f"{name}'s Hugging Face init", lambda: init_hf_weights(model)
+        own = getattr(model, "init_weights", None)
+        if callable(own):
+            return f"{name}.init_weights()", own
+        return None
+
+    def defines_init(self, model: torch.nn.Module) -> bool:
+        """Whether the recipe or the model has an explicit initialisation (`init_entry`)."""
+        return self.init_entry(model) is not None
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        """The explicit initialisation (`init_entry`), else every submodule's
+        `reset_parameters()` (what most constructors run, but not all: see `WeightInit`)."""
+        entry = self.init_entry(model)
+        if entry is not None:
+            entry[1]()
+            return
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()  # type: ignore[operator]
+
+    def state_dict(self) -> Any:
+        """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
+        hook = getattr(self.module, "state_dict", None)
+        return hook() if callable(hook) else None
+
+    def load_state_dict(self, state: Any) -> None:
+        hook = getattr(self.module, "load_state_dict", None)
+        if callable(hook) and state is not None:
+            hook(state)
+
+    def fresh_copy(self) -> Recipe:
+        """The recipe's module executed anew, its globals its own: code that runs it for a
+        look (FLOP counting) leaves the training's module state (a call counter, say) as it
+        was. The module's name in `sys.modules` keeps pointing at the original."""
+        name = self.module.__name__
+        spec = importlib.util.find_spec(name) if not self.source.endswith(".py") else None
+        if spec is None:
+            spec = importlib.util.spec_from_file_location(name, self.module.__file__)
+        assert spec is not None and spec.loader is not None
+        copy = importlib.util.module_from_spec(spec)
+        sys.modules[name] = copy  # while it runs: dataclasses look their module up
+        try:
+            spec.loader.exec_module(copy)
+        finally:
+            sys.modules[name] = self.module
+        return Recipe(self.source, copy)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The recipe's loss, always as (loss, metrics)."""
+        out = self.module.loss(model, batch)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        return loss, dict(metrics)
+
+    def evaluate(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        """The metrics of one evaluation batch, by name: the recipe's `evaluate`, else its
+        `loss` (as `loss` plus its metrics)."""
+        hook = getattr(self.module, "evaluate", None)
+        out = hook(model, batch) if callable(hook) else self.module.loss(model, batch)
+        if isinstance(out, dict):
+            return dict(out)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        return {"loss": loss, **metrics}
+
+
+@dataclass(frozen=True)
+class WeightInit:
+    """How weights get their first values, the same whichever strategy builds the model.
+
+    A plain build (`build`: ddp, the XLA strategies, `fsdp.init: cpu`) runs the constructors
+    after seeding the generators with `seed`; where the recipe or the model has an explicit
+    initialisation (`Recipe.init_entry`), it then runs that too, again from `seed`. fsdp's
+    meta-device build runs the same initialisation from the same seed on each rank's shards
+    (`sharded_init`), so with an explicit one the two give bitwise the same weights. Without
+    one, only each module's `reset_parameters()` is left to run on the meta device, and that
+    is what a constructor does only where it initialises nothing itself (torchvision's ResNet
+    re-draws every conv with kaiming_normal_ in its constructor): fsdp then builds on CPU
+    (`fsdp.init: auto`).
+    """
+
+    recipe: Recipe
+    seed: int
+
+    def exact(self, model: torch.nn.Module) -> str | None:
+        """The explicit initialisation that defines `model`'s weights wherever it is built,
+        by name; None where only its constructors do."""
+        entry = self.recipe.init_entry(model)
+        return entry[0] if entry is not None else None
+
+    def needed_after_build(self, model: torch.nn.Module) -> bool:
+        return self.recipe.defines_init(model)
+
+    def build(self, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """A plain build: the constructors from `seed`, then the explicit initialisation."""
+        seed_everything(self.seed)
+        model = factory()
+        if self.needed_after_build(model):
+            self(model)
+        return model
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        seed_everything(self.seed)
+        self.recipe.init_weights(model)
+
+
+def load_recipe(source: str) -> Recipe:
+    """Import `source` and check it has what the launcher calls.
+
+    A failure inside the user's own module shows their traceback: it is their bug to fix.
+    """
+    try:
+        module = _import(source)
+    except UsageError:
+        raise
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else source
+        code = (exc.text or "").rstrip("\n")
+        caret = " " * max(0, (exc.offset or 1) - 1 - (len(code) - len(code.lstrip()))) + "^"
+        raise UsageError(
+            f"recipe.source: {where}: {exc.msg}",
+            details=[code.strip(), caret] if code.strip() else [],
+        ) from None
+    except Exception as exc:
+        raise UsageError(
+            f"recipe.source: importing {source} failed:", details=[users_traceback(exc)]
+        ) from None
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise UsageError(
+            f"recipe.source: {source} does not define {', '.join(missing)}",
+            hint="A recipe defines build_model(**model), build_dataset(split, **dataset) "
+            "and loss(model, batch); see the README's 'Write your own recipe'.",
+        )
+    return Recipe(source, module)
+
+
+# Frames of these say nothing about the user's bug: the launcher's, torch's, importlib's.
+_NOT_USERS = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent), "<frozen")
+
+
+def users_traceback(exc: BaseException) -> str:
+    """The traceback of an exception from a recipe's code, its own frames only."""
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_NOT_USERS)
+    ]
+    return "".join(traceback.format_list(frames) + traceback.format_exception_only(exc)).rstrip()
+
+
+def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a recipe function, turning a bad keyword into a short message that names the key."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        # Only a TypeError raised by the call itself is about the arguments; one from deeper
+        # down is the recipe's own bug and keeps its traceback.
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_next is None:
+            raise UsageError(f"{what}: {exc}") from None
+        raise
+
+
+def _import(source: str) -> ModuleType:
+    if source.endswith(".py"):
+        path = Path(source)
+        if not path.is_file():
+            raise UsageError(
+                f"recipe.source: {source} does not exist",
+                hint="Paths in a YAML file are relative to that file.",
+            )
+        # A recipe may import its sibling modules, as a script would.
+        sys.path.insert(0, str(path.parent))
+        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    # Workers run with `python -m`, which puts the working directory on sys.path; a console
+    # script does not, and `train validate` must import what the workers will.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(source)
+    except ModuleNotFoundError as exc:
+        if exc.name and (source == exc.name or source.startswith(exc.name + ".")):
+            raise UsageError(
+                f"recipe.source: no module named {source!r}",
+                hint="Give a path to a .py file, or a module importable from the working directory.",
+            ) from None
+        raise

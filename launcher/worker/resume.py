@@ -1,0 +1,49 @@
+"""What resuming means to a worker: the state restored from a checkpoint, what changed said
+once, and the line a restarted attempt starts with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.checkpoint import checkpointer as checkpoint
+from launcher.config.spec import RunSpec
+from launcher.parallel.base import Strategy
+from launcher.worker.state import TrainState
+
+
+def restart_note(attempt: int, max_restarts: int, resume_from: Path | None) -> str:
+    """The first line of a restarted attempt (torch.distributed.elastic's restart count)."""
+    where = f"resuming from {resume_from}" if resume_from else "no checkpoint yet: starting over"
+    return f"attempt {attempt + 1} of {max_restarts + 1}: restarted after a failure; {where}"
+
+
+def restore(
+    path: Path,
+    checkpointer: checkpoint.Checkpointer,
+    state: TrainState,
+    strategy: Strategy,
+    spec: RunSpec,
+) -> None:
+    """Collective: every state from the checkpoint at `path`; rank 0 says what differs."""
+
+    def say(text: str) -> None:
+        if strategy.is_main:
+            print(text, flush=True)
+
+    same_world = checkpointer.load(path)
+    for note in state.notes:
+        say(note)
+    if state.best is not None:
+        # Best checkpoints are of this run folder (a branch starts its own record).
+        note = state.best.retain(checkpointer.layout.complete_steps())
+        if note:
+            say(note)
+    if same_world:
+        return
+    # Saved with another world size: per-rank streams cannot continue; reseed them.
+    strategy.seed(spec.run.seed + state.progress.step + strategy.rank)
+    say(
+        f"resuming with {strategy.world_size} replicas instead of "
+        f"{checkpoint.read_meta(path)['world_size']}: model, optimizer and data position "
+        "continue; random streams are reseeded"
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config.loader import load_spec
+from launcher.config.loader import load_cli_spec
 from launcher.errors import UsageError
 from tests.conftest import REPO, finish_train, start_train, write_spec
 
@@ -275,7 +275,7 @@ def test_bad_input(
 def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "run.yaml")
     with pytest.raises(UsageError, match=r"run\.yaml: not a regular file"):
-        load_spec(tmp_path / "run.yaml")
+        load_cli_spec(tmp_path / "run.yaml")
 
 
 def test_the_corpus_is_big_enough() -> None:

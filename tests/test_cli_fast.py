@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config.loader import load_spec, load_spec_and_sources
+from launcher.config.loader import load_cli_spec, load_spec_and_sources
 from launcher.config.yaml_file import read_yaml_file
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
@@ -186,7 +186,7 @@ def test_spec_yaml_says_where_each_value_came_from_and_reads_back(tmp_path: Path
         r"^  accelerator: cpu  # resolved at launch \(was 'auto' from .*\)$", text, re.M
     )
     assert re.search(rf"^  max_steps: \d+  # {re.escape(str(config))}:\d+$", text, re.M)
-    assert load_spec(saved) == plan.spec  # the comments change nothing it says
+    assert load_cli_spec(saved) == plan.spec  # the comments change nothing it says
 
 
 def test_demo_tells_how_to_put_train_on_the_path() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config.loader import load_spec, parse_override
+from launcher.config.loader import load_cli_spec, load_spec_and_sources, parse_override
 from launcher.config.reference import END, START, config_reference
 from launcher.errors import UsageError
 from tests.conftest import REPO
@@ -22,13 +22,13 @@ def _spec(tmp_path: Path, text: str) -> Path:
 
 def _errors(path: Path, overrides: list[str] | None = None, **flags) -> str:
     with pytest.raises(UsageError) as info:
-        load_spec(path, overrides, flags=flags)
+        load_spec_and_sources(path, overrides, flags=flags)
     assert info.value.exit_code == 2
     return info.value.render()
 
 
 def test_minimal_spec_takes_documented_defaults(tmp_path: Path) -> None:
-    spec = load_spec(_spec(tmp_path, MINIMAL))
+    spec = load_cli_spec(_spec(tmp_path, MINIMAL))
     assert spec.launch.strategy == "ddp" and spec.data.batch_size == 32
     assert spec.recipe.source == str(tmp_path / "r.py")  # relative to the YAML file
 
@@ -54,15 +54,15 @@ def test_duplicate_keys_are_an_error_not_a_silent_overwrite(tmp_path: Path) -> N
 
 
 def test_scientific_notation_is_a_number_everywhere(tmp_path: Path) -> None:
-    spec = load_spec(_spec(tmp_path, MINIMAL + "optim: {lr: 3e-4, kwargs: {weight_decay: 1e-2}}\n"))
+    spec = load_cli_spec(
+        _spec(tmp_path, MINIMAL + "optim: {lr: 3e-4, kwargs: {weight_decay: 1e-2}}\n")
+    )
     assert spec.optim.lr == 3e-4 and spec.optim.kwargs["weight_decay"] == 1e-2
 
 
 def test_precedence_flag_over_override_over_yaml(tmp_path: Path) -> None:
     path = _spec(tmp_path, MINIMAL + "launch: {devices: 1}\noptim: {lr: 0.1}\n")
-    spec = load_spec(
-        path, ["launch.devices=3", "optim.lr=0.2"], flags={"launch.devices": ("--devices", 4)}
-    )
+    spec = load_cli_spec(path, ["launch.devices=3", "optim.lr=0.2"], devices="4")
     assert spec.launch.devices == 4 and spec.optim.lr == 0.2
 
 
@@ -107,12 +107,12 @@ def test_malformed_overrides(text: str) -> None:
 
 def test_missing_config_file_names_the_flag(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"--config .*nope\.yaml: no such file"):
-        load_spec(tmp_path / "nope.yaml")
+        load_cli_spec(tmp_path / "nope.yaml")
 
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_says_how_to_run_it(config: Path) -> None:
-    load_spec(config)
+    load_cli_spec(config)
     first = config.read_text().splitlines()[0]
     assert first.startswith("# train --config configs/" + config.name), first
 

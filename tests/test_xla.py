@@ -274,11 +274,11 @@ def test_tpu_devices_are_counted_from_the_pci_bus(tmp_path: Path) -> None:
 def test_the_compile_cache_goes_in_the_run_dir_on_tpu_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from launcher.config.loader import load_spec
+    from launcher.config.loader import load_cli_spec
     from launcher.launch.plan import LaunchPlan
 
     plan = LaunchPlan(
-        spec=load_spec(_spec(tmp_path, "xla_fsdp", 4)),
+        spec=load_cli_spec(_spec(tmp_path, "xla_fsdp", 4)),
         run_dir=tmp_path / "run",
         accelerator="tpu",
         devices=Devices(4, 1, 1, env={"CPU_NUM_DEVICES": "4"}),

@@ -11,34 +11,20 @@ from launcher.cli import interrupt  # noqa: F401  (first: Ctrl-C during the impo
 
 # isort: split
 import difflib
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from launcher.cli.options import (
-    AcceleratorOpt,
-    ConfigOpt,
-    DevicesOpt,
-    MaxRestartsOpt,
-    Overrides,
-    StallTimeoutOpt,
-    StrategyOpt,
-    StrictCompileOpt,
-    run_guarded,
-)
-from launcher.cli.runs import plot_command, runs_command
-from launcher.cli.tools import (
-    check_recipe,
-    export_command,
-    schema_command,
-    slurm_command,
-    validate_command,
-)
+from launcher.cli.export import export_command
+from launcher.cli.plot import plot_command
+from launcher.cli.run import run_command
+from launcher.cli.runs import runs_command
+from launcher.cli.schema import schema_command
+from launcher.cli.slurm import slurm_command
+from launcher.cli.validate import validate_command
 
 # name -> (function, the one line `train --help` lists it with)
 COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
@@ -124,117 +110,13 @@ app = typer.Typer(
 )
 
 
-@app.command(
+app.command(
     "run",
     cls=_RunCommand,
     hidden=True,
     epilog=EXAMPLES + "\n" + COMMANDS_HELP,
     context_settings={"allow_interspersed_args": True},
-)
-def run_command(
-    config: ConfigOpt,
-    overrides: Overrides = None,
-    accelerator: AcceleratorOpt = None,
-    devices: DevicesOpt = None,
-    strategy: StrategyOpt = None,
-    max_restarts: MaxRestartsOpt = None,
-    stall_timeout: StallTimeoutOpt = None,
-    resume: Annotated[
-        str | None,
-        typer.Option(
-            help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
-            "`latest`: the newest run of this run.name (with --rdzv-id or in SLURM, that job's "
-            "own folder, if it has a checkpoint yet), or `best`: that run's best checkpoint by "
-            "checkpoint.monitor."
-        ),
-    ] = None,
-    run_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write this run here instead of <run.output_dir>/<run.name>/<timestamp>; "
-            "an existing run is never overwritten."
-        ),
-    ] = None,
-    ranks: Annotated[
-        str | None,
-        typer.Option(
-            help="Show only these ranks' output, e.g. 0,2-3. Warnings, errors and tracebacks "
-            "of every rank are always shown."
-        ),
-    ] = None,
-    nnodes: Annotated[
-        str | None,
-        typer.Option(
-            help="Nodes in the run: N, or MIN:MAX for an elastic run. Every node runs the same "
-            "command. Inside SLURM's srun: the allocation's.",
-            rich_help_panel="Multi-node",
-        ),
-    ] = None,
-    node_rank: Annotated[
-        str | None,
-        typer.Option(
-            help="This node's rank, 0 to N-1: node K runs global ranks K*devices onwards, and "
-            "node 0 hosts the rendezvous. Inside srun: SLURM_NODEID.",
-            rich_help_panel="Multi-node",
-        ),
-    ] = None,
-    rdzv_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="HOST:PORT of the rendezvous on node 0, the same on every node. Inside srun: "
-            "the first node of the allocation.",
-            rich_help_panel="Multi-node",
-        ),
-    ] = None,
-    rdzv_id: Annotated[
-        str | None,
-        typer.Option(
-            help="The job's name, the same on every node; the run folder is "
-            "<run.output_dir>/<run.name>/<rdzv-id>. Inside srun: the SLURM job id.",
-            rich_help_panel="Multi-node",
-        ),
-    ] = None,
-    strict_compile: StrictCompileOpt = False,
-    debug: Annotated[
-        bool, typer.Option(help="Show tracebacks and the elastic agent's logs.")
-    ] = False,
-) -> None:
-    """Train: launch one process per device, wrap the model, stream every replica's logs."""
-
-    def go() -> int:
-        from launcher.config.flags import load_cli_spec_and_sources
-        from launcher.launch.nodes import resolve_nodes
-
-        nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
-        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
-        spec, sources = load_cli_spec_and_sources(
-            config,
-            overrides,
-            strict_compile,
-            accelerator=accelerator,
-            devices=devices,
-            strategy=strategy,
-            max_restarts=max_restarts,
-            stall_timeout=stall_timeout,
-        )
-        check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
-        from launcher.launch.execute import execute
-        from launcher.launch.plan import make_plan
-
-        plan = make_plan(
-            spec,
-            run_dir=run_dir,
-            resume=resume,
-            ranks=ranks,
-            debug=debug,
-            nodes=nodes,
-            sources=sources,
-        )
-        return execute(plan)
-
-    run_guarded(go, debug)
-
-
+)(run_command)
 for _name, (_command, _line) in COMMANDS.items():
     app.command(_name, short_help=_line)(_command)
 

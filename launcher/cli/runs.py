@@ -1,11 +1,9 @@
-"""`train runs` and `train plot`: views of run folders that start nothing and never import
-torch (each imports what it needs inside its body, once its arguments are parsed)."""
+"""`train runs`: the table of runs under a folder. Starts nothing and never imports torch."""
 
 from __future__ import annotations
 
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -48,7 +46,7 @@ def runs_command(
     its launcher recorded at its end; or `interrupted` when it recorded none (its launcher was
     killed). Runs live in <run.output_dir>/<run.name>/<timestamp or rdzv-id>/."""
 
-    def go() -> int:
+    def list_runs() -> int:
         from rich.console import Console
 
         from launcher.runs.catalog import describe_run, find_runs
@@ -68,7 +66,7 @@ def runs_command(
             typer.echo(f"no runs{of} under {folder}", err=True)
         return 0
 
-    run_guarded(go, debug)
+    run_guarded(list_runs, debug)
 
 
 def _where(
@@ -88,57 +86,3 @@ def _where(
         given = "--output-dir" if output_dir is not None else f"run.output_dir of {config}:"
         raise UsageError(f"{given} {folder}: no such folder")
     return folder, name
-
-
-class XAxis(str, Enum):
-    step = "step"
-    time = "time"
-
-
-def plot_command(
-    run_dirs: Annotated[
-        list[Path],
-        typer.Argument(
-            metavar="RUN_DIR",
-            help="Run folders, e.g. runs/NAME/TIMESTAMP: a curve for each metric of each.",
-            show_default=False,
-        ),
-    ],
-    metric: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="A metric to draw (repeat it, or separate by commas), e.g. loss, val/loss, lr. "
-            "Default: loss, and val/loss where a run has it.",
-            show_default=False,
-        ),
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write the figure to this file (.png, .svg or .pdf; needs matplotlib) instead "
-            "of drawing it in the terminal (needs plotext).",
-            show_default=False,
-        ),
-    ] = None,
-    x: Annotated[
-        XAxis, typer.Option(help="The x axis: the step, or the time since the run started.")
-    ] = XAxis.step,
-    debug: DebugOpt = False,
-) -> None:
-    """Draw the curves of one or several runs, from their metrics: into a PNG for a report
-    (--out), or in the terminal. Metrics of one kind share a panel (loss with val/loss). Needs
-    matplotlib (--out) or plotext (the terminal): pip install 'launcher\\[viz]'."""
-
-    def go() -> int:
-        from launcher.runs.plot import draw_in_terminal, load_panels, save_figure
-
-        metrics = [m.strip() for given in metric or [] for m in given.split(",") if m.strip()]
-        panels = load_panels(run_dirs, metrics, x.value)
-        if out is not None:
-            save_figure(panels, out, x.value)
-            typer.echo(f"wrote {out}", err=True)
-        else:
-            draw_in_terminal(panels, x.value)
-        return 0
-
-    run_guarded(go, debug)

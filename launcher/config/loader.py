@@ -23,14 +23,36 @@ from launcher.errors import UsageError
 _MESSAGE_CHARS = 240
 
 
-def load_spec(
-    path: Path, overrides: list[str] | None = None, flags: dict[str, tuple[str, Any]] | None = None
+def load_cli_spec(
+    config: Path,
+    overrides: list[str] | None = None,
+    strict_compile: bool = False,
+    **flags: str | None,
 ) -> RunSpec:
-    """Read, override and validate a spec. Raises `UsageError` listing every problem.
+    """The spec `--config` names, with `overrides` and the flags given (`--devices` ...) applied
+    by precedence: flag > key=value > YAML > default."""
+    return load_cli_spec_and_sources(config, overrides, strict_compile, **flags)[0]
 
-    Precedence: `flags` ({dotted key: (flag name, value)}) > `overrides` (`key=value`) > YAML.
-    """
-    return load_spec_and_sources(path, overrides, flags)[0]
+
+def load_cli_spec_and_sources(
+    config: Path,
+    overrides: list[str] | None = None,
+    strict_compile: bool = False,
+    **flags: str | None,
+) -> tuple[RunSpec, dict[str, str]]:
+    """`load_cli_spec`, and where each given key came from (`launcher.config.sources`)."""
+    # Numbers and `null` are read as YAML, as in overrides; names stay strings.
+    typed = ("devices", "max_restarts", "stall_timeout")
+    given: dict[str, tuple[str, object]] = {}
+    for key, text in flags.items():
+        if text is None:
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        value = parse_yaml_value(text, f"{flag} {echo(text)}") if key in typed else text
+        given[f"launch.{key}"] = (flag, value)
+    if strict_compile:
+        given["xla.strict_compile"] = ("--strict-compile", True)
+    return load_spec_and_sources(config, overrides or [], flags=given)
 
 
 def load_spec_and_sources(
@@ -39,9 +61,11 @@ def load_spec_and_sources(
     flags: dict[str, tuple[str, Any]] | None = None,
     torch_checks: bool = True,
 ) -> tuple[RunSpec, dict[str, str]]:
-    """`load_spec`, and where each key that was given came from: {dotted key: "x.yaml:12" |
+    """Read, override and validate a spec, and where each key that was given came from: {dotted key: "x.yaml:12" |
     "override k=v (over x.yaml:12)" | "--devices"} (`launcher.config.sources` shows them).
-    `torch_checks=False` skips the checks that import torch (optimizer names)."""
+    Raises `UsageError` listing every problem. Precedence: `flags` ({dotted key: (flag name,
+    value)}) > `overrides` (`key=value`) > YAML. `torch_checks=False` skips the checks that
+    import torch (optimizer names)."""
     raw, where = read_yaml_file(path)
     _require_mapping(raw, source=str(path))  # before overrides are set into it
     _absolutize_recipe(raw, path.parent)

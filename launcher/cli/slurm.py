@@ -1,0 +1,50 @@
+"""`train slurm`: print an sbatch script for a SLURM cluster."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from launcher.cli.options import ConfigOpt, DebugOpt, Overrides, run_guarded
+from launcher.cli.validate import check_recipe
+
+
+def slurm_command(
+    config: ConfigOpt,
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes to allocate.")],
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node.")],
+    overrides: Overrides = None,
+    partition: Annotated[str | None, typer.Option(help="#SBATCH --partition.")] = None,
+    time: Annotated[str | None, typer.Option(help="#SBATCH --time, e.g. 24:00:00.")] = None,
+    account: Annotated[str | None, typer.Option(help="#SBATCH --account.")] = None,
+    cpus_per_task: Annotated[
+        int | None, typer.Option(min=1, help="#SBATCH --cpus-per-task: CPU cores per node.")
+    ] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Print an sbatch script that runs this spec on a SLURM cluster and requeues itself when
+    preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
+
+    def print_script() -> int:
+        from launcher.config.loader import load_cli_spec
+        from launcher.launch.slurm import sbatch_script
+
+        spec = load_cli_spec(config, overrides)
+        check_recipe(spec)
+        script = sbatch_script(
+            str(config),
+            nodes,
+            gpus_per_node,
+            spec.run.name,
+            partition=partition,
+            time=time,
+            account=account,
+            cpus_per_task=cpus_per_task,
+            extra_args=list(overrides or []),
+        )
+        sys.stdout.write(script)
+        return 0
+
+    run_guarded(print_script, debug)

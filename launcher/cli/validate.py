@@ -1,0 +1,82 @@
+"""`train validate`: check a spec and its recipe as a run would see them; starts nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.text import Text
+
+from launcher.cli.options import (
+    AcceleratorOpt,
+    ConfigOpt,
+    DebugOpt,
+    DevicesOpt,
+    MaxRestartsOpt,
+    Overrides,
+    StallTimeoutOpt,
+    StrategyOpt,
+    StrictCompileOpt,
+    err,
+    run_guarded,
+)
+
+if TYPE_CHECKING:
+    from launcher.config.spec import RunSpec
+
+
+def validate_command(
+    config: ConfigOpt,
+    overrides: Overrides = None,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Also show each key that is not at its default, and where it came from: the "
+            "YAML (file:line), a key=value override or a flag.",
+        ),
+    ] = False,
+    accelerator: AcceleratorOpt = None,
+    devices: DevicesOpt = None,
+    strategy: StrategyOpt = None,
+    max_restarts: MaxRestartsOpt = None,
+    stall_timeout: StallTimeoutOpt = None,
+    strict_compile: StrictCompileOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Check a spec and its recipe: build its datasets, a batch and the model (on the meta
+    device), and report their sizes. Starts no processes."""
+
+    def check() -> int:
+        from launcher.config.loader import load_cli_spec_and_sources
+
+        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
+        spec, sources = load_cli_spec_and_sources(
+            config,
+            overrides,
+            strict_compile,
+            accelerator=accelerator,
+            devices=devices,
+            strategy=strategy,
+            max_restarts=max_restarts,
+            stall_timeout=stall_timeout,
+        )
+        if explain:
+            from launcher.config.sources import explain_text
+
+            typer.echo(explain_text(spec, sources))
+        from launcher.cli.recipe_check import dry_build
+
+        summary = dry_build(spec)
+        err.print(Text(f"{config}: ok · {summary}"))
+        return 0
+
+    run_guarded(check, debug)
+
+
+def check_recipe(spec: RunSpec) -> None:
+    """Imports the recipe as the workers will (from the working directory) and checks that it
+    defines what the launcher calls, with arguments its functions take; builds nothing."""
+    from launcher.cli.recipe_check import load_checked
+
+    load_checked(spec)

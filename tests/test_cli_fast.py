@@ -199,17 +199,38 @@ def test_demo_tells_how_to_put_train_on_the_path() -> None:
     )
 
 
-def test_the_readme_shows_each_commands_help_first_lines() -> None:
+# The docs page that shows each command's `--help` (its usage line and first lines).
+HELP_PAGES = {
+    "validate": "docs/config.md",
+    "slurm": "docs/multi-node-and-slurm.md",
+    "export": "docs/evaluation-and-checkpoints.md",
+    "schema": "docs/config.md",
+    "runs": "docs/seeing-runs.md",
+    "plot": "docs/seeing-runs.md",
+}
+
+
+def _words(path: str) -> str:
+    """The page's text with its whitespace collapsed: a line may wrap anywhere."""
+    return " ".join((REPO / path).read_text().split())
+
+
+def test_the_docs_show_each_commands_help_first_lines() -> None:
     from launcher.cli.app import COMMANDS
 
-    readme = (REPO / "README.md").read_text()
+    assert set(HELP_PAGES) == set(COMMANDS), "a new command: name the docs page of its --help"
+    readme = _words("README.md")
     assert "Usage: train [OPTIONS] [KEY=VALUE]..." in readme
-    for name in COMMANDS:
+    for name, (_, listed) in COMMANDS.items():
+        # README's command list: each command with the line `train --help` lists it with.
+        assert f"`train {name}`: {listed}" in readme, f"README.md's command list lacks {name}"
+        page = _words(HELP_PAGES[name])
         lines = [line.strip() for line in _train([name, "--help"]).stdout.splitlines()]
         usage = next(i for i, line in enumerate(lines) if line.startswith("Usage:"))
         first = next(line for line in lines[usage + 1 :] if line)
-        assert lines[usage] in readme, f"README.md lacks `{lines[usage]}`"
-        assert first in readme, f"README.md lacks `train {name} --help`'s first line: {first}"
+        where = HELP_PAGES[name]
+        assert lines[usage] in page, f"{where} lacks `{lines[usage]}`"
+        assert first in page, f"{where} lacks `train {name} --help`'s first line: {first}"
 
 
 def test_spec_yaml_comments_never_land_inside_a_value() -> None:

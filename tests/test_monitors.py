@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoint.selection import resolve_resume
+from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.config.spec import CheckpointSection, EarlyStopSection
 from launcher.errors import RunError, UsageError
 from launcher.rundir.layout import CheckpointFiles, RunLayout
@@ -80,10 +80,10 @@ def test_best_is_read_from_the_newest_checkpoint_and_skips_pruned_ones(tmp_path:
     layout = _checkpoints(runs / "t" / "a", [10, 30], best=[[20, 0.1], [10, 0.2]])
     best = layout.best()
     assert best is not None and (best.step, best.score) == (10, 0.2)  # 20 was pruned
-    assert resolve_resume("best", runs, "t") == layout.checkpoint(10)
+    assert resume_point(ResumeRequest("best", runs, "t")) == layout.checkpoint(10)
     _checkpoints(runs / "t" / "b", [5], best=[])  # the newest run: no best checkpoint
     with pytest.raises(UsageError, match="--resume best: the newest run of 't'"):
-        resolve_resume("best", runs, "t")
+        resume_point(ResumeRequest("best", runs, "t"))
 
 
 @pytest.mark.parametrize(

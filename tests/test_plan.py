@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from launcher.checkpoint.selection import resolve_resume
+from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.nodes import Nodes
@@ -55,11 +55,13 @@ def test_resume_latest_picks_the_newest_run_with_a_complete_checkpoint(tmp_path:
     newer_without = runs / "20260102-000000"
     newer_without.mkdir(parents=True)
     os.utime(old.parent.parent, (1, 1))
-    assert resolve_resume("latest", tmp_path / "runs", "exp") == old
-    assert resolve_resume(str(runs / "20260101-000000"), tmp_path / "runs", "exp") == old
-    assert resolve_resume(str(old), tmp_path / "runs", "exp") == old
+    assert resume_point(ResumeRequest("latest", tmp_path / "runs", "exp")) == old
+    assert (
+        resume_point(ResumeRequest(str(runs / "20260101-000000"), tmp_path / "runs", "exp")) == old
+    )
+    assert resume_point(ResumeRequest(str(old), tmp_path / "runs", "exp")) == old
     with pytest.raises(UsageError, match="neither a checkpoint nor a run folder"):
-        resolve_resume(str(newer_without), tmp_path / "runs", "exp")
+        resume_point(ResumeRequest(str(newer_without), tmp_path / "runs", "exp"))
 
 
 def test_resume_continues_in_the_checkpoints_run_but_never_over_newer_ones(tmp_path: Path) -> None:

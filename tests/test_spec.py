@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import load_cli_spec, load_spec_and_sources, parse_override
-from launcher.config.reference import END, START, config_reference
+from launcher.config.reference import DOCS_PAGE, END, START, config_reference
 from launcher.errors import UsageError
 from tests.conftest import REPO
 
@@ -117,7 +117,7 @@ def test_every_shipped_config_validates_and_says_how_to_run_it(config: Path) -> 
     assert first.startswith("# train --config configs/" + config.name), first
 
 
-def test_readme_config_reference_is_generated_from_the_spec() -> None:
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index(START) + len(START) : readme.index(END)].strip()
-    assert block == config_reference(), "README is stale: run `make docs`"
+def test_docs_config_reference_is_generated_from_the_spec() -> None:
+    page = (REPO / DOCS_PAGE).read_text()
+    block = page[page.index(START) + len(START) : page.index(END)].strip()
+    assert block == config_reference(), f"{DOCS_PAGE} is stale: run `make docs`"

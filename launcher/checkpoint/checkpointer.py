@@ -29,24 +29,12 @@ from launcher.checkpoint.save_failure import explained_writes, failing_save, fil
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.errors import RunError
 from launcher.parallel.base import Strategy, local_shard
-from launcher.rundir.layout import CheckpointFiles, RunLayout, latest_complete
+from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.worker.state import ModelState, TrainState
 
 
 def read_meta(path: Path) -> dict[str, Any]:
     return json.loads(CheckpointFiles(path).meta.read_text())
-
-
-def resume_point(run_dir: Path, requested: Path | None, strategy: Strategy) -> Path | None:
-    """The resume rule, for every attempt of every node: the run folder's newest complete
-    checkpoint as rank 0 sees it, else the checkpoint the plan names.
-
-    A first attempt may write into a folder with checkpoints only when it continues from the
-    newest (the plan refuses anything else), so there this is the plan's. After a restart (a
-    failure, or nodes joining, which torch does not count as one) it is what the run saved
-    last. Rank 0 decides: nodes started again, and nodes that restarted their workers, may
-    each have seen a different newest checkpoint."""
-    return strategy.from_main(latest_complete(run_dir) or requested)
 
 
 # A background save still writing when the next one starts, for longer than this, is worth

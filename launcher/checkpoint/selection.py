@@ -1,9 +1,13 @@
-"""Which run folder and which checkpoint a launch uses: a new folder, the folder of the run it
-resumes, or a job's shared folder; never one that would overwrite another run's files."""
+"""The one resume rule: which checkpoint an attempt of a run starts from.
+
+The plan asks it for the first attempt, every worker for its own attempt (rank 0's answer
+wins), and supervision for the step a run starts from, all through `resume_point`. It reads
+only the run folders, so it is torch-free.
+"""
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.checkpoint.damage import refuse_damaged
@@ -12,126 +16,65 @@ from launcher.errors import UsageError
 from launcher.rundir.layout import RunLayout, checkpoint_in, latest_complete, run_of
 
 
-def new_run_dir(output_dir: Path, name: str) -> Path:
-    """`<output_dir>/<name>/<YYYYmmdd-HHMMSS>`, never one that exists."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate = output_dir / name / stamp
-    n = 1
-    while candidate.exists():
-        n += 1
-        candidate = output_dir / name / f"{stamp}-{n}"
-    return candidate
+@dataclass(frozen=True)
+class ResumeRequest:
+    """What `--resume` asked for, before it names a checkpoint."""
+
+    arg: str  # `latest`, `best`, or a checkpoint or run folder
+    output_dir: Path  # where the runs of `name` live (run.output_dir)
+    name: str  # run.name
+    job: bool = False  # a job's shared folder (--rdzv-id, SLURM): `latest` means its own
 
 
-def job_run_dir(output_dir: Path, name: str, job_id: str) -> Path:
-    """The folder every node of a job (and a requeued job) shares."""
-    return output_dir / name / job_id
+def resume_point(asked: ResumeRequest | Path | None, run_dir: Path | None = None) -> Path | None:
+    """The checkpoint to start from, or None to start anew.
 
-
-def resolve_resume(arg: str, output_dir: Path, name: str) -> Path:
-    """`--resume` accepts a checkpoint folder, a run folder, `latest` (the newest run of
-    `name`) or `best` (that run's best checkpoint by `checkpoint.monitor`)."""
-    if arg == "best":
-        newest = resolve_resume("latest", output_dir, name)
-        # Its meta.json holds the record of the best checkpoints (the best one itself is
-        # checked whole when the run starts from it).
-        what = f"--resume best: the newest checkpoint, {newest},"
-        refuse_damaged(newest, what, check=meta_damage)
-        run = run_of(newest)
-        best = RunLayout(run).best() if run else None
-        if best is None:
-            raise UsageError(
-                f"--resume best: the newest run of {name!r} ({run}) has no best checkpoint",
-                hint="Best checkpoints are kept with checkpoint.monitor; use --resume latest.",
-            )
-        return best.path
-    if arg == "latest":
-        runs = sorted((output_dir / name).glob("*/"), key=lambda p: p.stat().st_mtime)
-        found = [c for c in map(latest_complete, runs) if c is not None]
-        if not found:
-            raise UsageError(
-                f"--resume latest: no run named {name!r} under {output_dir} has a complete "
-                "checkpoint",
-                hint="Pass a run or checkpoint folder to --resume, or start without it.",
-            )
-        return found[-1]
-    path = Path(arg)
+    1. A run folder that holds a complete checkpoint continues from its newest: a restarted
+       attempt, a requeued job, nodes that join later. The plan sees to it that a first
+       attempt writes into such a folder only to continue from that newest checkpoint.
+    2. Else what was asked: a checkpoint already chosen (the plan's, handed to the workers),
+       or `--resume`'s `latest` (the newest complete checkpoint among the runs of run.name;
+       for a job, only its own folder, which rule 1 covers), `best` (the best checkpoint of
+       that newest run, by checkpoint.monitor), or a folder (a checkpoint, or a run folder's
+       newest).
+    """
+    if run_dir is not None:
+        newest = latest_complete(run_dir)
+        if newest is not None:
+            return newest
+    if not isinstance(asked, ResumeRequest):
+        return asked
+    if asked.arg == "latest":
+        return None if asked.job else _newest_of(asked.output_dir, asked.name)
+    if asked.arg == "best":
+        return _best_of(_newest_of(asked.output_dir, asked.name), asked.name)
+    path = Path(asked.arg)
     if not path.exists():
-        raise UsageError(f"--resume {arg}: no such folder")
+        raise UsageError(f"--resume {asked.arg}: no such folder")
     return checkpoint_in(path, "--resume")
 
 
-def own_run(output_dir: Path, name: str, run_dir: Path | None, resume_from: Path | None) -> Path:
-    """The folder of a run of one launcher: a new one, or that of the run it resumes."""
-    explicit = run_dir is not None
-    if run_dir is None:
-        # A resumed run continues in its own folder; a new run, or one resumed from a
-        # checkpoint that is not inside a run folder, gets a new one.
-        run_dir = (resume_from and run_of(resume_from)) or new_run_dir(output_dir, name)
-    if not _would_mix(run_dir, resume_from):
-        return run_dir
-    newest = latest_complete(run_dir)
-    if not explicit:
+def _newest_of(output_dir: Path, name: str) -> Path:
+    """The newest complete checkpoint of the runs of `name`, the newest run first."""
+    runs = sorted((output_dir / name).glob("*/"), key=lambda p: p.stat().st_mtime)
+    found = [c for c in map(latest_complete, runs) if c is not None]
+    if not found:
         raise UsageError(
-            f"--resume {resume_from}: its run already has a newer checkpoint "
-            f"({newest}); continuing in place would overwrite it",
-            hint="Branch off with --run-dir NEW_FOLDER, or resume the newest checkpoint.",
+            f"--resume latest: no run named {name!r} under {output_dir} has a complete checkpoint",
+            hint="Pass a run or checkpoint folder to --resume, or start without it.",
         )
-    raise UsageError(
-        f"--run-dir {run_dir}: already holds a run; it is never overwritten",
-        hint=f"Continue it with --resume {newest}, or choose a new --run-dir."
-        if newest
-        else "It has no checkpoint for --resume to continue from: choose a new --run-dir.",
-    )
+    return found[-1]
 
 
-def check_is_folder(run_dir: Path) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        what = "a file" if run_dir.is_file() else "not a folder"
+def _best_of(newest: Path, name: str) -> Path:
+    # Its meta.json holds the record of the best checkpoints (the best one itself is checked
+    # whole when the run starts from it).
+    refuse_damaged(newest, f"--resume best: the newest checkpoint, {newest},", check=meta_damage)
+    run = run_of(newest)
+    best = RunLayout(run).best() if run else None
+    if best is None:
         raise UsageError(
-            f"--run-dir {run_dir}: is {what}; a run folder holds the run's logs, metrics and "
-            "checkpoints",
-            hint="Give a folder: a new one (it is created), or a run's folder to continue it.",
+            f"--resume best: the newest run of {name!r} ({run}) has no best checkpoint",
+            hint="Best checkpoints are kept with checkpoint.monitor; use --resume latest.",
         )
-
-
-def check_unchanged(run_dir: Path, resume_from: Path | None, job_id: str | None) -> None:
-    """The plan's choice of folder, again once this launcher holds the folder's lock: another
-    launcher may have written into it between the plan and the lock."""
-    if job_id is not None:
-        check_job_resume(run_dir, job_id, resume_from)
-    elif _would_mix(run_dir, resume_from):
-        raise UsageError(
-            f"run folder {run_dir}: another launcher wrote into it while this one was starting",
-            hint="Run the command again: it is planned anew from what the folder holds now.",
-        )
-
-
-def _would_mix(run_dir: Path, resume_from: Path | None) -> bool:
-    """Writing into a folder that holds a run is safe only when this run continues exactly
-    where that folder's newest checkpoint left off; anything else would mix two runs and
-    overwrite or prune the other run's checkpoints."""
-    layout = RunLayout(run_dir)
-    return layout.holds_a_run() and (resume_from is None or layout.latest_complete() != resume_from)
-
-
-def refuse_finished_job(run_dir: Path, job_id: str) -> None:
-    """A job's folder that holds a finished run without checkpoints is never started over:
-    there is nothing to continue, and starting again would replace its metrics."""
-    layout = RunLayout(run_dir)
-    if layout.latest_complete() is None and layout.summary.exists():
-        raise UsageError(
-            f"run folder {run_dir} (job {job_id}) holds a finished run; it is never overwritten",
-            hint="Use another --rdzv-id.",
-        )
-
-
-def check_job_resume(run_dir: Path, job_id: str, resume_from: Path | None) -> None:
-    """A job's folder (every node's, a requeued node's) is joined while it has no checkpoint;
-    once it has one, every node must continue from the newest."""
-    newest = latest_complete(run_dir)
-    if newest is not None and newest != resume_from:
-        raise UsageError(
-            f"run folder {run_dir} (job {job_id}) already has checkpoints; it is never overwritten",
-            hint="Continue it with --resume latest on every node, or use another --rdzv-id.",
-        )
+    return best.path

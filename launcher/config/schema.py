@@ -21,7 +21,7 @@ def spec_schema() -> dict[str, Any]:
         "$schema": SCHEMA_ID,
         "title": "launcher run spec",
         "description": "The YAML that `train --config` reads. Each key's description is "
-        "the one in launcher/config/spec.py; README.md has them as a table.",
+        "the one in launcher/config/*.py; docs/config.md lists them all.",
         **{k: v for k, v in schema.items() if k not in ("title", "description")},
     }
 

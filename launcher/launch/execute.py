@@ -69,9 +69,13 @@ def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, Ending]:
 def _announce(plan: LaunchPlan, console: Console) -> None:
     for note in plan.notes:
         console.print(Text("warning: ", style="bold yellow") + Text(note), soft_wrap=True)
-    verb = "resuming" if plan.resume_from else "starting"
+    what = (
+        f"resuming {plan.spec.run.name} from {plan.resume_from}"
+        if plan.resume_from
+        else (f"starting {plan.spec.run.name}")
+    )
     console.print(
-        f"{verb} {plan.spec.run.name}: {plan.devices.count} x {plan.accelerator}, "
+        f"{what}: {plan.devices.count} x {plan.accelerator}, "
         f"strategy {plan.spec.launch.strategy}, run dir {plan.run_dir}",
         highlight=False,
         soft_wrap=True,

@@ -9,10 +9,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.checkpoint import selection as run_choice
+from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
+from launcher.launch import folder_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.nodes import Nodes
 from launcher.launch.ranks import parse_ranks
@@ -204,32 +205,27 @@ def _with_resolved(sources: dict[str, str], given: RunSpec, resolved: RunSpec) -
 def _run_and_resume(
     spec: RunSpec, nodes: Nodes, run_dir: Path | None, resume: str | None
 ) -> tuple[Path, Path | None]:
-    """The run folder and the checkpoint the first attempt resumes from."""
-    output_dir, name = Path(spec.run.output_dir), spec.run.name
+    """The run folder, and the checkpoint the first attempt starts from (`resume_point`)."""
+    output_dir, name, job_id = Path(spec.run.output_dir), spec.run.name, nodes.job_id
     if run_dir is not None:
-        run_choice.check_is_folder(run_dir)
-    if nodes.job_id is None:
-        resume_from = _resume_point(resume, output_dir, name)
+        folder_choice.check_is_folder(run_dir)
+    if job_id is not None:
+        run_dir = run_dir or folder_choice.job_run_dir(output_dir, name, job_id)
+        folder_choice.refuse_finished_job(run_dir, job_id)  # whatever --resume says
+    request = ResumeRequest(resume, output_dir, name, job=job_id is not None) if resume else None
+    # Whether its files are whole is checked just before the run folder is created
+    # (run_folder.prepare_run_dir), once this node's plan is made.
+    asked = resume_point(request)
+    if job_id is None:
         if resume == "best" and run_dir is None:
             # The best is rarely the newest: continuing in its folder would overwrite newer
             # checkpoints, so the run branches off into a folder of its own.
-            run_dir = run_choice.new_run_dir(output_dir, name)
-        return run_choice.own_run(output_dir, name, run_dir, resume_from), resume_from
-    run_dir = run_dir or run_choice.job_run_dir(output_dir, name, nodes.job_id)
-    run_choice.refuse_finished_job(run_dir, nodes.job_id)
-    if resume == "latest":
-        # The job's own newest checkpoint, or none yet: a requeued job that was stopped
-        # before its first save starts over, in its own folder.
-        return run_dir, run_choice.latest_complete(run_dir)
-    resume_from = _resume_point(resume, output_dir, name)
-    run_choice.check_job_resume(run_dir, nodes.job_id, resume_from)
-    return run_dir, resume_from
-
-
-def _resume_point(resume: str | None, output_dir: Path, name: str) -> Path | None:
-    # Whether its files are whole is checked just before the run folder is created
-    # (run_folder.prepare_run_dir), once this node's plan is made.
-    return None if resume is None else run_choice.resolve_resume(resume, output_dir, name)
+            run_dir = folder_choice.new_run_dir(output_dir, name)
+        run_dir = folder_choice.own_run(output_dir, name, run_dir, asked)
+    elif resume != "latest":  # `latest`: the job's own newest checkpoint, or none yet
+        folder_choice.check_job_resume(run_dir, job_id, asked)
+    assert run_dir is not None
+    return run_dir, resume_point(asked, run_dir)
 
 
 def _omp_threads(accelerator: str, nproc: int) -> int:

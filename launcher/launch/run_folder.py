@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from launcher.checkpoint import selection as run_choice
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.config.loader import spec_to_yaml
 from launcher.config.sources import annotate_yaml
 from launcher.errors import UsageError
+from launcher.launch import folder_choice
 from launcher.launch.plan import LaunchPlan
 from launcher.rundir import lock as run_lock
 
@@ -31,7 +31,7 @@ def prepare_run_dir(plan: LaunchPlan) -> run_lock.RunLock:
     lock = run_lock.take(plan.layout) if plan.writes_shared_files else run_lock.RunLock()
     try:
         if plan.writes_shared_files:
-            run_choice.check_unchanged(plan.run_dir, plan.resume_from, plan.nodes.job_id)
+            folder_choice.check_unchanged(plan.run_dir, plan.resume_from, plan.nodes.job_id)
         _write_files(plan)
     except BaseException:
         lock.release()
@@ -51,7 +51,7 @@ def _create(plan: LaunchPlan) -> None:
     try:
         plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
     except FileExistsError:
-        run_choice.check_is_folder(plan.run_dir)
+        folder_choice.check_is_folder(plan.run_dir)
         raise UsageError(f"--run-dir {plan.run_dir}: appeared while starting; run again") from None
     except OSError as exc:
         raise UsageError(f"--run-dir {plan.run_dir}: cannot create it ({exc.strerror})") from None

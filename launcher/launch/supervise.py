@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import psutil
 from rich.console import Console
 
+from launcher.checkpoint.selection import resume_point
 from launcher.launch import rendezvous
 from launcher.launch.agent import AgentThread
 from launcher.launch.display import RunDisplay
@@ -101,7 +102,7 @@ class NodeView:
         # Left by an earlier attempt: a stale heartbeat would look like a stalled rank.
         for rank in ranks:
             plan.layout.beat(rank).unlink(missing_ok=True)
-        start = plan.layout.latest_complete() or plan.resume_from  # the workers' resume rule
+        start = resume_point(plan.resume_from, plan.run_dir)  # as the workers decide it
         with self._lock:
             self._start_step = (step_of(start) if start else None) or 0
             self._watchdog = Watchdog(plan.run_dir, ranks, plan.spec.launch.stall_timeout)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from launcher.checkpoint import checkpointer as checkpoint
+from launcher.checkpoint.selection import resume_point
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
 from launcher.metrics.telemetry import Telemetry
@@ -37,7 +38,7 @@ class Trainer:
         strategy: Strategy,
         run_dir: Path,
         attempt: int = 0,  # restarts of the run so far (torch.distributed.elastic's count)
-        resume_from: Path | None = None,  # the plan's; `checkpoint.resume_point` decides
+        resume_from: Path | None = None,  # the plan's choice; `resume_point` decides
     ) -> None:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
@@ -46,7 +47,9 @@ class Trainer:
         self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, also=sink)
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
-        self.resume_from = checkpoint.resume_point(run_dir, resume_from, strategy)
+        # Rank 0 decides: nodes started again, and nodes that restarted their workers, may each
+        # have seen a different newest checkpoint.
+        self.resume_from = strategy.from_main(resume_point(resume_from, run_dir))
         if attempt:
             print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
         rss_before_build = memory.rss_bytes()

@@ -27,10 +27,10 @@ import torch
 from launcher.checkpoint.format import check_matches
 from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
 from launcher.checkpoint.shared_storage import check_shared_run_dir
+from launcher.checkpoint.state import LoopState, ModelState
 from launcher.errors import RunError
 from launcher.parallel.base import Strategy, local_shard
 from launcher.rundir.layout import CheckpointFiles, RunLayout
-from launcher.worker.state import ModelState, TrainState
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -66,7 +66,7 @@ class Checkpointer:
         strategy: Strategy,
         run_dir: Path,
         model: ModelState,
-        train: TrainState,
+        train: LoopState,
         *,
         keep_last: int | None = None,
         use_async: bool = False,

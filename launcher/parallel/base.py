@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from launcher.parallel import rng
-from launcher.worker.recipe import WeightInit
+from launcher.parallel.weight_init import WeightInit
 
 
 class Strategy(ABC):

@@ -32,7 +32,7 @@ from launcher.parallel.precision import dtype_of
 from launcher.parallel.shard_units import shard_units
 from launcher.parallel.sharded_init import UnsetByInit, initialize
 from launcher.parallel.torch_distributed import TorchDistributedStrategy
-from launcher.worker.recipe import WeightInit
+from launcher.parallel.weight_init import WeightInit
 
 
 class FSDPStrategy(TorchDistributedStrategy):

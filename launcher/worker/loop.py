@@ -10,11 +10,13 @@ import torch
 
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.checkpoint.selection import resume_point
+from launcher.checkpoint.state import ModelState
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
 from launcher.metrics.telemetry import Telemetry
 from launcher.metrics.tensorboard import TensorBoardSink
 from launcher.parallel.base import Strategy
+from launcher.parallel.weight_init import WeightInit
 from launcher.rundir.layout import RunLayout
 from launcher.worker.data import batch_size, build_feed, steps_per_epoch, total_steps
 from launcher.worker.evaluation import Evaluator
@@ -22,10 +24,10 @@ from launcher.worker.flops import Speed
 from launcher.worker.metrics_window import MetricsWindow
 from launcher.worker.optim import build_optimizer, build_scheduler
 from launcher.worker.profiling import StepProfiler
-from launcher.worker.recipe import Recipe, WeightInit
+from launcher.worker.recipe import Recipe
 from launcher.worker.reporting import Reporter
 from launcher.worker.resume import restart_note, restore
-from launcher.worker.state import ModelState, Progress, TrainState
+from launcher.worker.state import Progress, TrainState
 
 
 class Trainer:

@@ -1,13 +1,11 @@
-"""What a checkpoint holds, as objects with `state_dict`/`load_state_dict` (torchtitan's
-`Stateful`): the checkpointer is handed them and never packs state by hand."""
+"""The loop's own state, as an object the checkpointer saves and loads
+(`launcher.checkpoint.state.LoopState`): progress, the scheduler, the best checkpoints, early
+stopping, and each rank's random streams, metrics window, recipe state and data position."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
-
-import torch
-from torch import nn
 
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
@@ -22,20 +20,6 @@ class Progress:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
     samples_in_epoch: int = 0  # global samples consumed in `epoch`: valid across world sizes
-
-
-class ModelState:
-    """Model, optimizer and precision state, as torch.distributed.checkpoint saves them:
-    each rank writes its own shards."""
-
-    def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.strategy, self.model, self.optimizer = strategy, model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.strategy.state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.strategy.load_state_dict(self.model, self.optimizer, state)
 
 
 class TrainState:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from launcher.config.section import Section
 
 
-class FSDPSection(BaseModel):
-    # As every section of the spec: unknown keys are errors, never silently a default.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
+class FSDPSection(Section):
     wrap: list[str] | None = Field(
         None,
         description="Module class names that become their own shard unit, e.g. `[Block]`. "

@@ -10,7 +10,9 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
+
+from launcher.config.section import Section
 
 if TYPE_CHECKING:
     import torch
@@ -51,9 +53,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
-class OptimSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
+class OptimSection(Section):
     name: str = Field(
         "AdamW",
         description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …).",

@@ -1,32 +1,26 @@
 """The run spec: one typed section per YAML block, and the one place every key is documented.
 
-Each field's `description` is the documentation: `train --help`, the README's config table
-(`launcher.config.reference`) and error messages all read it from here.
+Each field's `description` is the documentation: `train --help`, the config reference
+(docs/config.md, `launcher.config.reference`) and error messages all read it from here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 # The fsdp section's keys need long descriptions; it lives apart, re-exported here.
 from launcher.config.fsdp import FSDPSection
 
 # Sections that need torch to check themselves live apart; the spec re-exports them.
 from launcher.config.optim import OptimSection
+from launcher.config.section import PositiveInt, Section
 from launcher.config.training import Precision, ProfileSection, TrainSection
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
 Mode = Literal["min", "max"]
-
-PositiveInt = Annotated[int, Field(gt=0)]
-
-
-class Section(BaseModel):
-    # Unknown keys are errors: a typo must never silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class RunSection(Section):

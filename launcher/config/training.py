@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from launcher.config.section import PositiveInt, Section
 
 Precision = Literal["fp32", "bf16", "fp16"]
-PositiveInt = Annotated[int, Field(gt=0)]
 
 
-class _Section(BaseModel):
-    # As every section of the spec: unknown keys are errors, never silently a default.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class ProfileSection(_Section):
+class ProfileSection(Section):
     start_step: PositiveInt = Field(
         10,
         description="The first profiled step: leave the first steps (compilation, warm-up) out.",
@@ -28,7 +24,7 @@ class ProfileSection(_Section):
     )
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
     max_epochs: PositiveInt | None = Field(
         None, description="Stop after this many passes over the data (whichever limit comes first)."

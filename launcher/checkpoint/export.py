@@ -19,6 +19,7 @@ import torch
 
 from launcher.checkpoint.format import read_metadata, weights_only_planner
 from launcher.errors import UsageError
+from launcher.rundir.atomic import write_new
 from launcher.rundir.layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
 
 COMMAND = "train export"
@@ -171,33 +172,20 @@ def bare_key(key: str) -> str:
 def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:
     """Writes `state` to `out` (format by suffix) atomically: a crash leaves no half file
     under `out`, and an existing `out` is never replaced."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # same folder: os.replace is atomic
-    try:
+
+    def write(partial: Path) -> None:
         if FORMATS[out.suffix] == "safetensors":
             from safetensors.torch import save_file
 
-            save_file(_unshared(state), str(tmp))
+            save_file(_unshared(state), str(partial))
             # safetensors creates its file readable by its owner only; a model is shared like
             # any file the user writes (torch.save's files get the umask's mode).
-            os.chmod(tmp, 0o666 & ~_umask())
+            os.chmod(partial, 0o666 & ~_umask())
         else:
-            torch.save(state, tmp)
-        _publish(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+            torch.save(state, partial)
 
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Moves `tmp` to `out` unless `out` exists, atomically: a file created there meanwhile
-    is never replaced (a hard link fails where its name is taken)."""
-    try:
-        os.link(tmp, out)
-    except FileExistsError:
-        raise UsageError(f"--out {out}: already exists; it is never overwritten") from None
-    except OSError:  # a file system without hard links: the check and the move are two steps
-        if out.exists():
-            raise UsageError(f"--out {out}: already exists; it is never overwritten") from None
-        os.replace(tmp, out)
+    if not write_new(out, write):
+        raise UsageError(f"--out {out}: already exists; it is never overwritten")
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

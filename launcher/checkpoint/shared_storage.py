@@ -13,7 +13,6 @@ machines. The cost is one tiny file and two small collectives.
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from launcher.errors import UsageError
 from launcher.parallel.base import Strategy
+from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
 
 # A new file may take a moment to appear on another node (attribute caches of NFS, FUSE).
@@ -47,9 +47,7 @@ def _probe(run_dir: Path, token: str) -> Path:
 
 def _leave_token(run_dir: Path) -> str:
     token = secrets.token_hex(8)
-    partial = RunLayout(run_dir).shared_probe_partial(os.getpid())
-    partial.write_text(token)
-    partial.replace(_probe(run_dir, token))  # never seen half written
+    write_atomic(_probe(run_dir, token), token)  # never seen half written
     return token
 
 

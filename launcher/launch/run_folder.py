@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.config.loader import spec_to_yaml
@@ -12,6 +11,7 @@ from launcher.errors import UsageError
 from launcher.launch import folder_choice
 from launcher.launch.plan import LaunchPlan
 from launcher.rundir import lock as run_lock
+from launcher.rundir.atomic import write_atomic
 
 _SPEC_HEADER = """\
 # The spec this run ran with, every key: `train --config` reads it as it is. A comment names
@@ -72,14 +72,8 @@ def _write_files(plan: LaunchPlan) -> None:
         # A resumed run keeps the spec it started with, and this attempt's goes beside it;
         # one that never trained is replaced.
         resumed = layout.spec.exists() and layout.holds_a_run()
-        _write_atomic(layout.next_resumed_spec() if resumed else layout.spec, text)
+        write_atomic(layout.next_resumed_spec() if resumed else layout.spec, text)
     if plan.node_dir != plan.run_dir:
         # Each node keeps the spec it ran, with or without storage the nodes share.
-        _write_atomic(layout.node_spec(plan.node_dir), text)
+        write_atomic(layout.node_spec(plan.node_dir), text)
     plan.worker_plan().write(layout.worker_plan(plan.node_dir))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(text)
-    partial.replace(path)

@@ -128,9 +128,6 @@ class RunLayout:
         after the token: no node can have cached an earlier answer for this name."""
         return self.root / f".shared-check-{token}"
 
-    def shared_probe_partial(self, pid: int) -> Path:
-        return self.root / f".shared-check.{pid}"
-
     @property
     def stop_request(self) -> Path:
         return self.root / "stop-request"

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from launcher.errors import INTERRUPTED, LauncherError
+from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
 
 
@@ -75,12 +76,10 @@ class OutcomeRecorder:
         outcome = RunOutcome(status, exit_code, round(time.time(), 3), self.started, reason)
         record = {**asdict(outcome), "host": socket.gethostname(), "pid": os.getpid()}
         path = self.layout.outcome
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        # Whole or not at all: a reader never sees half of it. A failed write changes nothing
-        # of the run's own result (`train runs` then calls it interrupted).
+        # A failed write changes nothing of the run's own result (`train runs` then calls it
+        # interrupted).
         with contextlib.suppress(OSError):
-            partial.write_text(json.dumps(record, indent=1) + "\n")
-            partial.replace(path)
+            write_atomic(path, json.dumps(record, indent=1) + "\n")
 
     def __exit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
         if self.done or kind is None:

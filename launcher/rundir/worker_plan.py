@@ -10,10 +10,11 @@ libraries, not a channel: the worker's own code never reads them.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from launcher.rundir.atomic import write_atomic
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -46,9 +47,7 @@ class WorkerPlan:
         record["run_dir"] = str(self.run_dir)
         for key in ("resume_from", "compile_cache"):
             record[key] = str(record[key]) if record[key] is not None else None
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(record, indent=1) + "\n")
-        partial.replace(path)
+        write_atomic(path, json.dumps(record, indent=1) + "\n")
 
     @classmethod
     def read(cls, path: Path) -> WorkerPlan:

@@ -1,0 +1,44 @@
+"""Writing a file whole or not at all: a reader never sees half of it, and a crash leaves at
+most a hidden partial file beside it. The one way every record of a run folder is written."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes `text` to `path`, replacing what was there in one step."""
+    partial = _partial(path)
+    try:
+        partial.write_text(text)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_new(path: Path, write: Callable[[Path], None]) -> bool:
+    """Has `write` fill a partial file, then moves it to `path` unless `path` exists, in one
+    step: a file created there meanwhile is never replaced (a hard link fails where its name is
+    taken). Returns False, writing nothing, where `path` exists."""
+    partial = _partial(path)
+    try:
+        write(partial)
+        try:
+            os.link(partial, path)
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: the check and the move are two steps
+            if path.exists():
+                return False
+            os.replace(partial, path)
+        return True
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _partial(path: Path) -> Path:
+    # Beside `path`: a rename is atomic only within one file system. Hidden, and named by the
+    # writing process, so that two writers never share one.
+    return path.with_name(f".{path.name}.{os.getpid()}")

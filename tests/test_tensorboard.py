@@ -1,6 +1,6 @@
-"""TensorBoard event files: our writer's files read back by our reader and by TensorBoard's
-own; rank 0 alone writes them during a real run; `log.tensorboard: false` writes none; and
-the background writer never holds up a step, nor fails a run when the disk fails."""
+"""TensorBoard event files: our writer's files read back by TensorBoard's own reader; rank 0
+alone writes them during a real run; `log.tensorboard: false` writes none; and the metrics
+sinks' background writer never holds up a step, nor fails a run when a sink fails."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.metrics.sinks import BackgroundWriter
 from launcher.metrics.tensorboard import TensorBoardSink, scalar_tags
 from launcher.metrics.tensorboard_events import (
     EventWriter,
@@ -20,8 +21,6 @@ from launcher.metrics.tensorboard_events import (
     encode_event,
     frame,
     masked_crc32c,
-    read_records,
-    read_scalars,
 )
 from launcher.rundir.layout import RunLayout
 from tests.conftest import only_run_dir, run_train, write_spec
@@ -57,28 +56,36 @@ def test_crc32c_matches_the_known_vectors() -> None:
     assert crc32c(bytes(range(32))) == 0x46DD794E
 
 
-def test_records_are_framed_and_checked(tmp_path: Path) -> None:
+def test_records_are_framed_and_checked() -> None:
     data = encode_event(1.5, 3, {"a": 1.0})
     record = frame(data)
     assert struct.unpack("<Q", record[:8]) == (len(data),)
     assert struct.unpack("<I", record[8:12]) == (masked_crc32c(record[:8]),)
     assert record[12:-4] == data
-    path = tmp_path / "events"
-    path.write_bytes(record + record[:-3])  # the second record cut short: the file ends there
-    assert list(read_records(path)) == [data]
-    path.write_bytes(record[:-1] + bytes([record[-1] ^ 1]))
-    with pytest.raises(ValueError, match="damaged record"):
-        list(read_records(path))
+    assert struct.unpack("<I", record[-4:]) == (masked_crc32c(data),)
 
 
-def test_our_reader_reads_what_our_writer_wrote(tmp_path: Path) -> None:
-    path = _write(tmp_path / "tb")
-    assert path.name.startswith("events.out.tfevents.")
-    assert read_scalars(path) == _expected()
-    assert read_scalars(tmp_path / "tb") == _expected()
-    second = _write(tmp_path / "tb")  # a second writer gets a file of its own
-    assert second != path
-    assert read_scalars(tmp_path / "tb") == _expected() * 2
+def read_scalars(path: Path) -> list[tuple[int, str, float]]:
+    """(step, tag, value) of every scalar in one event file, by TensorBoard's own reader."""
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    ).EventAccumulator
+    events = accumulator(str(path))
+    events.Reload()
+    found = [
+        (e.step, tag, e.value) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)
+    ]
+    return sorted(found)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("events.out.tfevents.*"))
+
+
+def test_a_second_writer_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    first, second = _write(tmp_path / "tb"), _write(tmp_path / "tb")
+    assert first != second and _files(tmp_path / "tb") == sorted([first, second])
+    assert read_scalars(first) == read_scalars(second) == sorted(_expected())
 
 
 def test_tensorboard_reads_what_our_writer_wrote(tmp_path: Path) -> None:
@@ -125,14 +132,15 @@ def test_a_slow_disk_never_holds_up_a_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _StuckWriter.go.clear()
-    sink = TensorBoardSink(tmp_path / "tb", writer=_StuckWriter)
+    sinks = BackgroundWriter([TensorBoardSink(tmp_path / "tb", writer=_StuckWriter)])
     started = time.monotonic()
     for record in _records(100):
-        sink.write(record)
+        sinks.write(record)
     assert time.monotonic() - started < 1.0  # a logic check: one write would take 30 s
     _StuckWriter.go.set()
-    sink.close()
-    assert [s for s, _, _ in read_scalars(tmp_path / "tb")] == list(range(1, 101))
+    sinks.close()
+    [events] = _files(tmp_path / "tb")
+    assert [s for s, _, _ in read_scalars(events)] == list(range(1, 101))
     assert capsys.readouterr().err == ""
 
 
@@ -141,15 +149,16 @@ def test_a_full_queue_drops_records_and_a_stuck_close_gives_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _StuckWriter.go.clear()
-    sink = TensorBoardSink(tmp_path / "tb", writer=_StuckWriter, capacity=5, close_timeout=0.5)
+    sink = TensorBoardSink(tmp_path / "tb", writer=_StuckWriter)
+    sinks = BackgroundWriter([sink], capacity=5, close_timeout=0.5)
     started = time.monotonic()
     for record in _records(50):
-        sink.write(record)
-    sink.close()
+        sinks.write(record)
+    sinks.close()
     assert time.monotonic() - started < 5
     err = capsys.readouterr().err
-    assert err.count("records wait for the disk; dropping new ones") == 1, err
-    assert err.count("still writing after 0.5 s") == 1, err
+    assert err.count("5 records wait for log.tensorboard; dropping new ones") == 1, err
+    assert err.count("log.tensorboard still writing after 0.5 s") == 1, err
     _StuckWriter.go.set()  # lets the daemon thread finish
 
 
@@ -162,15 +171,37 @@ class _BrokenWriter(EventWriter):
 def test_a_failing_disk_warns_once_and_the_run_goes_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sink = TensorBoardSink(tmp_path / "tb", writer=_BrokenWriter)
+    healthy = _Kept()
+    sinks = BackgroundWriter([TensorBoardSink(tmp_path / "tb", writer=_BrokenWriter), healthy])
     for record in _records(20):
-        sink.write(record)
+        sinks.write(record)
         time.sleep(0.01)
-    sink.close()
+    sinks.close()
     err = capsys.readouterr().err
     assert err.count("WARNING: log.tensorboard: could not write") == 1, err
     assert "No space left on device" in err
     assert "training goes on" in err
+    assert [r["step"] for r in healthy.records] == list(range(1, 21))  # the others go on
+    assert healthy.closed
+
+
+class _Kept:
+    """A sink that keeps what it gets."""
+
+    name, where = "kept", "memory"
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.closed = False
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 @pytest.mark.timeout(300)

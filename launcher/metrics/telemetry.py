@@ -6,7 +6,8 @@ Workers write (paths: `launcher.rundir.layout`):
   and save (`step beats pid`): what the launcher's hang watchdog follows;
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
 - rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json);
-  each metrics record also goes to an optional sink (TensorBoard's event files).
+  each metrics record also goes to rank 0's sinks (`launcher.metrics.sinks`: TensorBoard's
+  event files), through one background writer.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from launcher.rundir.layout import RunLayout
+
+if TYPE_CHECKING:
+    from launcher.metrics.sinks import Sink
 
 # The fields of a metrics record that say where a point is (its x axes), not a metric.
 NOT_METRICS = frozenset({"step", "epoch", "time"})
@@ -39,15 +44,6 @@ def read_beat(path: Path) -> tuple[int, int, int] | None:
         return None
 
 
-class MetricsSink(Protocol):
-    """Where rank 0's metrics records also go. `write` must return at once, whatever the
-    disk does: it is called between steps."""
-
-    def write(self, record: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class Telemetry:
     def __init__(
         self,
@@ -55,7 +51,7 @@ class Telemetry:
         rank: int,
         is_main: bool,
         attempt: int = 0,
-        also: MetricsSink | None = None,  # gets every metrics record; closed by close()
+        sinks: Sequence[Sink] = (),  # rank 0's: get every metrics record; closed by close()
     ) -> None:
         self.rank = rank
         self.is_main = is_main
@@ -76,7 +72,11 @@ class Telemetry:
         # One write in place per step: cheap at any step rate, and the file never grows.
         self._beat = os.open(layout.beat(rank), os.O_WRONLY | os.O_CREAT, 0o644)
         self._beats = 0
-        self._also = also
+        self._sinks = None
+        if is_main and sinks:
+            from launcher.metrics.sinks import BackgroundWriter
+
+            self._sinks = BackgroundWriter(sinks)
 
     def beat(self, step: int) -> None:
         """The heartbeat: alive, and step `step` is done."""
@@ -111,8 +111,8 @@ class Telemetry:
         if self._metrics is not None:
             record = {**fields, "time": round(time.time(), 3)}
             self._metrics.write(json.dumps(record) + "\n")
-            if self._also is not None:
-                self._also.write(record)
+            if self._sinks is not None:
+                self._sinks.write(record)
 
     def write_summary(self, **fields: Any) -> None:
         if not self.is_main:
@@ -130,10 +130,10 @@ class Telemetry:
         self.layout.summary.write_text(json.dumps(summary, indent=1))
 
     def close(self) -> None:
-        # The sink first: it never raises, and a file that fails to close (a full disk) must
-        # not cost the events still queued.
-        if self._also is not None:
-            self._also.close()
+        # The sinks first: they never raise, and a file that fails to close (a full disk) must
+        # not cost the records still queued for them.
+        if self._sinks is not None:
+            self._sinks.close()
         os.close(self._beat)
         self._status.close()
         if self._metrics is not None:

@@ -1,4 +1,4 @@
-"""TensorBoard's event files, written and read without TensorBoard.
+"""TensorBoard's event files, written without TensorBoard.
 
 Our own few lines rather than `tensorboard`, `tensorboardX` or `protobuf`: writing scalars
 needs only the record framing and three small messages, and a run should not pull in a
@@ -14,7 +14,7 @@ protobuf `Event`; the first holds only `file_version`, the others a `Summary` of
     Summary { repeated Value value = 1; }
     Value   { string tag = 1; float simple_value = 2; }
 
-Torch-free: tools read these files without starting torch.
+Torch-free. TensorBoard's own reader reads them back in the tests.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 FILE_VERSION = "brain.Event:2"
@@ -137,82 +137,3 @@ class EventWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_scalars(path: Path | str) -> list[tuple[int, str, float]]:
-    """Every scalar in an event file, or in every event file of a folder (oldest file first),
-    as (step, tag, value) in the order they were written."""
-    path = Path(path)
-    files = sorted(path.glob(f"{_PREFIX}*")) if path.is_dir() else [path]
-    return [scalar for file in files for data in read_records(file) for scalar in _scalars(data)]
-
-
-def read_records(path: Path) -> Iterator[bytes]:
-    """The data of each record of a TFRecord file. A record cut short at the end (its writer
-    is still at it, or was killed) ends the file; a checksum that does not match is an error."""
-    data = path.read_bytes()
-    pos = 0
-    while pos + 12 <= len(data):
-        header = data[pos : pos + 8]
-        (length,) = struct.unpack("<Q", header)
-        (header_crc,) = struct.unpack("<I", data[pos + 8 : pos + 12])
-        if header_crc != masked_crc32c(header):
-            raise ValueError(f"{path}: damaged record header at byte {pos}")
-        start, end = pos + 12, pos + 12 + length
-        if end + 4 > len(data):
-            return
-        (data_crc,) = struct.unpack("<I", data[end : end + 4])
-        if data_crc != masked_crc32c(data[start:end]):
-            raise ValueError(f"{path}: damaged record at byte {pos}")
-        yield data[start:end]
-        pos = end + 4
-
-
-def _scalars(event: bytes) -> Iterator[tuple[int, str, float]]:
-    """The simple values of one serialized `Event`; its other contents are passed over."""
-    step = 0
-    values: list[bytes] = []
-    for field, value in _fields(event):
-        if field == 2 and isinstance(value, int):
-            step = value - (1 << 64) if value >= 1 << 63 else value  # int64
-        elif field == 5 and isinstance(value, bytes):
-            values += [v for f, v in _fields(value) if f == 1 and isinstance(v, bytes)]
-    for encoded in values:
-        fields = dict(_fields(encoded))
-        tag, simple = fields.get(1), fields.get(2)
-        if isinstance(tag, bytes) and isinstance(simple, bytes) and len(simple) == 4:
-            yield step, tag.decode(), struct.unpack("<f", simple)[0]
-
-
-def _fields(message: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of each field of a protobuf message: an int for a varint, the
-    raw bytes for the other wire types."""
-    pos = 0
-    while pos < len(message):
-        key, pos = _read_varint(message, pos)
-        field, wire = key >> 3, key & 7
-        value: int | bytes
-        if wire == 0:
-            value, pos = _read_varint(message, pos)
-        elif wire == 2:
-            size, pos = _read_varint(message, pos)
-            value, pos = message[pos : pos + size], pos + size
-        elif wire in (1, 5):  # fixed 64 or 32 bits
-            size = 8 if wire == 1 else 4
-            value, pos = message[pos : pos + size], pos + size
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        yield field, value
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ValueError("protobuf message cut short")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7

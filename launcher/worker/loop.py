@@ -13,8 +13,8 @@ from launcher.checkpoint.selection import resume_point
 from launcher.checkpoint.state import ModelState
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
+from launcher.metrics.sinks import build_sinks
 from launcher.metrics.telemetry import Telemetry
-from launcher.metrics.tensorboard import TensorBoardSink
 from launcher.parallel.base import Strategy
 from launcher.parallel.weight_init import WeightInit
 from launcher.rundir.layout import RunLayout
@@ -45,8 +45,8 @@ class Trainer:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
-        sink = TensorBoardSink.for_rank(spec.log, run_dir, strategy.is_main)
-        self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, also=sink)
+        sinks = build_sinks(spec.log, run_dir) if strategy.is_main else []
+        self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, sinks)
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
         # Rank 0 decides: nodes started again, and nodes that restarted their workers, may each

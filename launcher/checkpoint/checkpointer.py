@@ -204,9 +204,9 @@ class Checkpointer:
         for old in self.layout.prunable(self.keep_last, protected=best):
             # Unpublish first (atomic), so a crash mid-delete leaves no half checkpoint
             # that still looks complete.
-            doomed = CheckpointFiles(old).doomed
-            os.replace(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            unpublished = CheckpointFiles(old).unpublished
+            os.replace(old, unpublished)
+            shutil.rmtree(unpublished, ignore_errors=True)
 
 
 def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:

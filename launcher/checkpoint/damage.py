@@ -21,21 +21,21 @@ def refuse_damaged(
     if problem is not None:
         raise UsageError(
             f"{what or f'--resume {checkpoint}: this checkpoint'} is damaged: {problem}",
-            hint=_way_on(checkpoint),
+            hint=_what_to_resume_instead(checkpoint),
         )
 
 
-def newest_intact(run_dir: Path, but: Path | None = None) -> Path | None:
-    """The newest complete checkpoint of a run folder that is not damaged (other than `but`)."""
+def newest_intact(run_dir: Path, excluding: Path | None = None) -> Path | None:
+    """The newest complete checkpoint of a run folder that is not damaged (other than `excluding`)."""
     for checkpoint in reversed(RunLayout(run_dir).complete_checkpoints()):
-        if checkpoint != but and damage(checkpoint) is None:
+        if checkpoint != excluding and damage(checkpoint) is None:
             return checkpoint
     return None
 
 
-def _way_on(damaged: Path) -> str:
+def _what_to_resume_instead(damaged: Path) -> str:
     run = run_of(damaged)
-    intact = newest_intact(run, but=damaged) if run else None
+    intact = newest_intact(run, excluding=damaged) if run else None
     if intact is None:
         return "Its run has no intact checkpoint to resume instead; start anew without --resume."
     if run and intact == RunLayout(run).latest_complete():

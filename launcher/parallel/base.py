@@ -87,11 +87,11 @@ class Strategy(ABC):
     def on_step_end(self, step: int) -> None:  # noqa: B027 (an optional hook)
         """Called after optimizer step `step` (XLA cuts and runs its graph here)."""
 
-    def read(self, values: torch.Tensor, then: Callable[[list[float]], None]) -> None:
-        """Hands the host values of a small device tensor to `then`. A backend that runs
-        asynchronously (XLA) calls `then` once the step that computes them has run, instead
-        of stalling the loop here."""
-        then(values.tolist())
+    def read(self, values: torch.Tensor, receive: Callable[[list[float]], None]) -> None:
+        """Hands the host values of a small device tensor to `receive`. A backend that runs
+        asynchronously (XLA) calls `receive` once the step that computes them has run,
+        instead of stalling the loop here."""
+        receive(values.tolist())
 
     def phase(self, name: str, step: int) -> contextlib.AbstractContextManager[None]:
         """Around work outside the training step (`eval`, the `check` before a save): XLA counts the graphs it

@@ -94,11 +94,11 @@ class XLAStrategyBase(Strategy):
         torch_xla.sync()
         self.guard.after_phase(name, step)
 
-    def read(self, values: torch.Tensor, then: Callable[[list[float]], None]) -> None:
+    def read(self, values: torch.Tensor, receive: Callable[[list[float]], None]) -> None:
         # Runs once the graph that computes `values` has run: reading them now would run the
         # step's graph early, and once more.
         self.guard.reading()
-        xm.add_step_closure(lambda v: then(v.cpu().tolist()), args=(values,))
+        xm.add_step_closure(lambda v: receive(v.cpu().tolist()), args=(values,))
 
     def drain(self) -> None:
         torch_xla.sync()  # also runs queued step closures

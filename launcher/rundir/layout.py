@@ -70,7 +70,7 @@ class CheckpointFiles:
         return self.path.name.endswith(".partial") or self.dcp_metadata.is_file()
 
     @property
-    def doomed(self) -> Path:
+    def unpublished(self) -> Path:
         """Where a pruned checkpoint is moved first (atomically) before it is deleted."""
         return self.path.with_name(f".{self.path.name}.deleting")
 

@@ -260,7 +260,7 @@ class Trainer:
             self.progress.epoch,
             self.scheduler.get_last_lr()[0],
             self.state.nonfinite.device_record(),
-            then=self.state.nonfinite.note,
+            receive_own=self.state.nonfinite.note,
         )
 
     def _save(self) -> None:

@@ -72,10 +72,10 @@ class Reporter:
         epoch: int,
         lr: float,
         own: torch.Tensor,
-        then: Callable[[list[float]], None],
+        receive_own: Callable[[list[float]], None],
     ) -> None:
         """The window's means over every replica, read without stalling the device. `own`
-        (this rank's values, not reduced) rides along; `then` gets their host values."""
+        (this rank's values, not reduced) rides along; `receive_own` gets their host values."""
         local = window.mean()
         names = list(local)
         reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names]))
@@ -88,7 +88,7 @@ class Reporter:
         def report(host: list[float]) -> None:
             mean = dict(zip(names, host[: len(names)], strict=True))
             self._report(mean, host[len(names)], step, epoch, lr, per_step)
-            then(host[len(names) + 1 :])
+            receive_own(host[len(names) + 1 :])
 
         self.strategy.read(values, report)
 

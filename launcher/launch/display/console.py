@@ -68,7 +68,6 @@ class RunDisplay:
             else PlainSink(self._console)
         )
         self._title = title
-        self._status = ""
         self._alerts = AlertDetector()
         shown = [rank for rank in self._ranks if show is None or rank in show]
         self._coalescer = Coalescer(coalesce_window_s, expected=shown)
@@ -125,11 +124,6 @@ class RunDisplay:
             for tail in (self._logs, self._telemetry):
                 if tail is not None:
                     self._guarded(tail.close)
-
-    def set_status(self, text: str) -> None:
-        """One line shown above the table in the live region, e.g. ``attempt 2/3``."""
-        with self._state_lock:
-            self._status = text
 
     def __enter__(self) -> "RunDisplay":
         self.start()
@@ -234,7 +228,7 @@ class RunDisplay:
         # Called from Live's own refresh thread, which must not die either.
         try:
             with self._state_lock:
-                return self._board.render(self._title, self._status)
+                return self._board.render(self._title)
         except Exception as exc:
             return Text(f"status unavailable: {exc!r}")
 

@@ -62,10 +62,9 @@ class TelemetryBoard:
     def latest(self, rank: int) -> dict[str, float]:
         return dict(self._latest.get(rank, {}))
 
-    def render(self, title: str = "", status: str = "") -> RenderableType:
-        header = " · ".join(part for part in (title, status) if part)
+    def render(self, title: str = "") -> RenderableType:
         table = self._table()
-        return Group(Text(header, style="bold"), table) if header else table
+        return Group(Text(title, style="bold"), table) if title else table
 
     def _table(self) -> Table:
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)

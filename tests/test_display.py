@@ -232,9 +232,9 @@ def test_telemetry_board_renders_one_row_per_rank():
     assert board.update(0, full)
     assert not board.update(1, "not json")
     assert board.update(1, '{"step": 7, "loss": 1.25, "samples_per_s": 12.34, "elapsed_s": 3725}')
-    lines = [line.rstrip() for line in render(board.render("demo", "attempt 1/3")).splitlines()]
+    lines = [line.rstrip() for line in render(board.render("demo")).splitlines()]
     assert lines == [
-        "demo · attempt 1/3",
+        "demo",
         " rank     step   loss   samples/s   elapsed",
         "─" * 44,
         "    0   12/200   0.53       1,234      3.2s",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from launcher.checkpoint.format import check_matches
+from launcher.checkpoint.format import check_matches, weights_only_planner
 from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
@@ -241,7 +241,8 @@ def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any
     # default planner writes, so that planners that flatten less (XLA's SPMD ones) find them.
     flat, mapping = flatten_state_dict(state)
     with _quiet_dcp():
-        dcp.load(flat, checkpoint_id=path, planner=strategy.load_planner())
+        planner = strategy.load_planner() or weights_only_planner()
+        dcp.load(flat, checkpoint_id=path, planner=planner)
     for key, value in flat.items():  # tensors were filled in place; plain values replaced
         set_element(state, mapping[key], value)
     if read_meta(path).get("world_size") != strategy.world_size:

@@ -69,7 +69,7 @@ def resolve_accelerator(requested: str, strategy: str) -> str:
                 "--accelerator tpu: torch_xla is installed, but no TPU is attached to this "
                 "machine (none on its PCI bus)",
                 hint="Run on a TPU VM. To try the XLA path on this machine's CPU instead, "
-                "set PJRT_DEVICE=CPU (see README, 'XLA on CPU').",
+                "set PJRT_DEVICE=CPU (docs/tpus.md, 'XLA on CPU').",
             )
     return requested
 

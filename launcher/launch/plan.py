@@ -126,7 +126,7 @@ def make_plan(
             f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
             "same train command, without --nnodes, on every host of the pod",
             hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
-            "(README: TPU pods).",
+            "(docs/tpus.md, 'Multi-host TPU pods').",
         )
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)

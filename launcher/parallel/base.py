@@ -118,10 +118,10 @@ class Strategy(ABC):
         return None
 
     def load_planner(self) -> Any:
-        """DCP's load planner; it must never unpickle anything but tensors and plain data."""
-        from launcher.checkpoint.format import weights_only_planner
-
-        return weights_only_planner()
+        """torch.distributed.checkpoint's load planner for this backend's tensors; it must
+        never unpickle anything but tensors and plain data (None: DCP's default, made so by
+        `launcher.checkpoint.format.weights_only_planner`)."""
+        return None
 
     def optimizer_defaults(self) -> dict[str, Any]:
         """Optimizer options this backend needs, where the optimizer has them (the user's

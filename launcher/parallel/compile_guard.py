@@ -78,7 +78,7 @@ class CompileGuard:
         message = (
             f"{where}: {self.compiler} compiled {new} new graph{'s' if new > 1 else ''} after "
             f"warm-up. A shape or a Python value {inside} changed, and each change costs a "
-            "full compile (README: 'Recompilations')."
+            "full compile (docs/tpus.md, 'Recompilations')."
         )
         if self.strict:
             raise RunError(message, hint=self.strict_hint)

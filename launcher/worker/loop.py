@@ -59,16 +59,7 @@ class Trainer:
             lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
         )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
-        self.feed = build_feed(
-            recipe.build_dataset("train", **spec.recipe.dataset),
-            spec.data,
-            spec.train,
-            strategy.rank,
-            strategy.world_size,
-            spec.run.seed,
-            pin_memory=strategy.device.type == "cuda",
-            devices_per_process=strategy.devices_per_process,
-        )
+        self.feed = self._train_feed()
         per_epoch = self.feed.batches_per_epoch  # None: a stream, which has no epochs
         accum = spec.train.grad_accum_steps
         self.steps_per_epoch = per_epoch and steps_per_epoch(per_epoch, accum)
@@ -94,6 +85,19 @@ class Trainer:
             self.state,
             keep_last=spec.checkpoint.keep_last,
             use_async=spec.checkpoint.async_,
+        )
+
+    def _train_feed(self) -> Any:
+        spec, strategy = self.spec, self.strategy
+        return build_feed(
+            self.recipe.build_dataset("train", **spec.recipe.dataset),
+            spec.data,
+            spec.train,
+            strategy.rank,
+            strategy.world_size,
+            spec.run.seed,
+            pin_memory=strategy.device.type == "cuda",
+            devices_per_process=strategy.devices_per_process,
         )
 
     @property

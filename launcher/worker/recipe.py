@@ -148,7 +148,7 @@ def load_recipe(source: str) -> Recipe:
         raise UsageError(
             f"recipe.source: {source} does not define {', '.join(missing)}",
             hint="A recipe defines build_model(**model), build_dataset(split, **dataset) "
-            "and loss(model, batch); see the README's 'Write your own recipe'.",
+            "and loss(model, batch); see docs/recipes.md.",
         )
     return Recipe(source, module)
 

@@ -55,7 +55,7 @@ test-other-torch:
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests
 
-# On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/test_xla.py and
+# On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
 # launcher runs there too (the whole suite there would not fit in make test's 25 minutes).
 test-xla: env-xla

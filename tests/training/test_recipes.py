@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 # recipes/ is a top-level package of the repo, not part of the installed launcher.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from recipes import gpt, mlp
 
 SMALL_BYTES = 100_000

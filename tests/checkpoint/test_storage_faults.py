@@ -23,7 +23,7 @@ from launcher.launch.failure_report import last_words, storage_notes
 from launcher.launch.root_cause import root_cause
 from launcher.rundir.layout import RunLayout
 from tests.conftest import TRAIN, finish_train, run_train, start_train, usage_error, write_spec
-from tests.test_multinode import finish_nodes, free_port, node_args
+from tests.launch.test_multinode import finish_nodes, free_port, node_args
 
 pytestmark = pytest.mark.timeout(300)
 

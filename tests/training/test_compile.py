@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import only_run_dir, run_train, tiny_gpt, write_spec
-from tests.test_resume import _assert_bitwise, _weights
+from tests.checkpoint.test_resume import _assert_bitwise, _weights
 
 pytestmark = pytest.mark.timeout(300)
 

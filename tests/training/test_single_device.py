@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, free_port, run_train, tiny_gpt, write_spec
-from tests.test_resume import _assert_bitwise, _weights
+from tests.checkpoint.test_resume import _assert_bitwise, _weights
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import only_run_dir, run_train, write_spec
-from tests.test_resume import GPT_SMALL, _assert_bitwise, _gpt_spec, _losses, _weights
+from tests.checkpoint.test_resume import GPT_SMALL, _assert_bitwise, _gpt_spec, _losses, _weights
 
 pytestmark = pytest.mark.timeout(300)
 GPT = GPT_SMALL

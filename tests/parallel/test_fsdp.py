@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import only_run_dir, run_train, write_spec
 from tests.checkpoint.test_resume import GPT_SMALL, _assert_bitwise, _gpt_spec, _losses, _weights
+from tests.conftest import only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 GPT = GPT_SMALL

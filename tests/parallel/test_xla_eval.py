@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recipes import mlp
-from tests.training.test_nonfinite import NAN_RECIPE
 from tests.parallel.test_xla import _spec, _summary, _train, needs_xla
+from tests.training.test_nonfinite import NAN_RECIPE
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.xla]
 N = 501  # batches of 8 per device: the last one holds 21 samples

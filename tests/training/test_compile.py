@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import only_run_dir, run_train, tiny_gpt, write_spec
 from tests.checkpoint.test_resume import _assert_bitwise, _weights
+from tests.conftest import only_run_dir, run_train, tiny_gpt, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 

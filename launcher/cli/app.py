@@ -16,15 +16,18 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
+from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from launcher.cli.export import export_command
+from launcher.cli.options import err
 from launcher.cli.plot import plot_command
 from launcher.cli.run import run_command
 from launcher.cli.runs import runs_command
 from launcher.cli.schema import schema_command
 from launcher.cli.slurm import slurm_command
 from launcher.cli.validate import validate_command
+from launcher.launch.closed_output import flush_standard_streams
 
 # name -> (function, the one line `train --help` lists it with)
 COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
@@ -65,13 +68,25 @@ COMMANDS_HELP = (
 
 # The group's own options, which stay with it rather than go to the run command.
 _GROUP_OPTIONS = ("--install-completion", "--show-completion")
+# The run command's internal name: `train ARGS` is parsed as `train run ARGS`.
+_RUN = "run"
 
 
 class _DefaultToRun(TyperGroup):
-    """`train --config x` means `train run --config x`: the run command is the default, and
-    `train --help` is its help."""
+    """`train --config x` runs the command named `run`, which is the default, and `train
+    --help` is its help. The name is internal: typed, `train run` is refused, one letter
+    away from `train runs`."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if args and args[0] == _RUN and not ctx.resilient_parsing:
+            err.print(
+                Text("error: ", style="bold red")
+                + Text(
+                    "no command 'run': `train --config FILE` runs a spec; "
+                    "`train runs` lists the runs"
+                )
+            )
+            raise typer.Exit(2)
         own = (
             args[0] in self.commands or args[0] in _GROUP_OPTIONS if args else ctx.resilient_parsing
         )
@@ -81,12 +96,12 @@ class _DefaultToRun(TyperGroup):
             close = difflib.get_close_matches(args[0], shown, n=1)
             if close:
                 ctx.fail(f"no command {args[0]!r}; did you mean `train {close[0]}`?")
-        return super().parse_args(ctx, args if own else ["run", *args])
+        return super().parse_args(ctx, args if own else [_RUN, *args])
 
     def shell_complete(self, ctx: typer.Context, incomplete: str) -> list[Any]:
         # `train <TAB>`: the commands, and the run's own options.
-        run = self.commands["run"]
-        with run.make_context("run", [], parent=ctx, resilient_parsing=True) as sub:
+        run = self.commands[_RUN]
+        with run.make_context(_RUN, [], parent=ctx, resilient_parsing=True) as sub:
             return [*super().shell_complete(ctx, incomplete), *run.shell_complete(sub, incomplete)]
 
 
@@ -111,7 +126,7 @@ app = typer.Typer(
 
 
 app.command(
-    "run",
+    _RUN,
     cls=_RunCommand,
     hidden=True,
     epilog=EXAMPLES + "\n" + COMMANDS_HELP,
@@ -122,7 +137,11 @@ for _name, (_command, _line) in COMMANDS.items():
 
 
 def main() -> None:
-    app(prog_name="train")
+    try:
+        app(prog_name="train")
+    finally:
+        # `train ... | head`: what the reader never took must not fail the exit (code 120).
+        flush_standard_streams()
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
 from launcher.cli import interrupt
 from launcher.errors import LauncherError
+from launcher.launch.closed_output import LauncherConsole
 
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+err = LauncherConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 def run_guarded(fn: Callable[[], int], debug: bool) -> None:

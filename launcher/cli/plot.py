@@ -57,7 +57,7 @@ def plot_command(
         panels = load_panels(run_dirs, metrics, x.value)
         if out is not None:
             save_figure(panels, out, x.value)
-            typer.echo(f"wrote {out}", err=True)
+            typer.echo(f"wrote {out}")
         else:
             draw_in_terminal(panels, x.value)
         return 0

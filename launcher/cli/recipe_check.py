@@ -37,9 +37,10 @@ _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_O
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def load_checked(spec: RunSpec) -> Recipe:
-    """The recipe, imported as the workers will, with its arguments checked (nothing built)."""
-    recipe = load_recipe(spec.recipe.source)
+def load_checked(spec: RunSpec, origin: str = "") -> Recipe:
+    """The recipe, imported as the workers will, with its arguments checked (nothing built).
+    `origin`: where recipe.source came from (`launcher.config.sources`), for its errors."""
+    recipe = load_recipe(spec.recipe.source, origin)
     check_arguments(recipe, spec.recipe)
     return recipe
 
@@ -105,11 +106,11 @@ def _unknown(key: str, given: str, name: str, valid: list[str]) -> str:
     return f"{key}.{given}: unknown key of {name}(){suggestion} ({accepted})"
 
 
-def dry_build(spec: RunSpec) -> str:
+def dry_build(spec: RunSpec, origin: str = "") -> str:
     """Builds what a worker builds, without training: the train split and one batch of it,
     the val split when the run evaluates, and the model on the meta device. Returns a summary
     (parameters, samples); raises `UsageError` for what the run would fail on."""
-    recipe = load_checked(spec)
+    recipe = load_checked(spec, origin)
     parts = [_model_summary(recipe, spec.recipe.model), _train_summary(recipe, spec)]
     if spec.eval.every_n_steps is not None:
         parts.append(_val_summary(recipe, spec))

@@ -109,7 +109,7 @@ def run_command(
             max_restarts=max_restarts,
             stall_timeout=stall_timeout,
         )
-        check_recipe(spec)  # a recipe that cannot load or take its arguments fails here
+        check_recipe(spec, sources)  # a recipe that cannot load or take its arguments fails here
         from launcher.launch.execute import execute
         from launcher.launch.plan import make_plan
 

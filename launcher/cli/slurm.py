@@ -28,11 +28,11 @@ def slurm_command(
     preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
 
     def print_script() -> int:
-        from launcher.config.loader import load_cli_spec
+        from launcher.config.loader import load_cli_spec_and_sources
         from launcher.launch.slurm import sbatch_script
 
-        spec = load_cli_spec(config, overrides)
-        check_recipe(spec)
+        spec, sources = load_cli_spec_and_sources(config, overrides)
+        check_recipe(spec, sources)
         script = sbatch_script(
             str(config),
             nodes,

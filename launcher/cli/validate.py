@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.text import Text
 
 from launcher.cli.options import (
     AcceleratorOpt,
@@ -17,7 +16,6 @@ from launcher.cli.options import (
     StallTimeoutOpt,
     StrategyOpt,
     StrictCompileOpt,
-    err,
     run_guarded,
 )
 
@@ -67,16 +65,18 @@ def validate_command(
             typer.echo(explain_text(spec, sources))
         from launcher.cli.recipe_check import dry_build
 
-        summary = dry_build(spec)
-        err.print(Text(f"{config}: ok · {summary}"))
+        summary = dry_build(spec, sources.get("recipe.source", ""))
+        typer.echo(f"{config}: ok · {summary}")  # the result: stdout, as --explain's table
         return 0
 
     run_guarded(check, debug)
 
 
-def check_recipe(spec: RunSpec) -> None:
+def check_recipe(spec: RunSpec, sources: dict[str, str]) -> None:
     """Imports the recipe as the workers will (from the working directory) and checks that it
-    defines what the launcher calls, with arguments its functions take; builds nothing."""
+    defines what the launcher calls, with arguments its functions take; builds nothing.
+    `sources`: where each key came from, so that a missing file's error says what its path
+    was relative to."""
     from launcher.cli.recipe_check import load_checked
 
-    load_checked(spec)
+    load_checked(spec, sources.get("recipe.source", ""))

@@ -80,6 +80,12 @@ def annotate_yaml(text: str, sources: Mapping[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def given_on_command_line(source: str) -> bool:
+    """Whether a key's source (as `sources` records it) is a `key=value` override or a flag,
+    rather than the YAML file."""
+    return source.startswith(_GIVEN)
+
+
 def _key_nodes(node: yaml.Node | None, prefix: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
     if not isinstance(node, yaml.MappingNode):
         return

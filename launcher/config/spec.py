@@ -87,8 +87,9 @@ class LaunchSection(Section):
 class RecipeSection(Section):
     source: str = Field(
         ...,
-        description="The recipe: a `.py` file (relative to this YAML file) or a dotted module. "
-        "It defines `build_model`, `build_dataset` and `loss`.",
+        description="The recipe: a `.py` file or a dotted module; it defines `build_model`, "
+        "`build_dataset` and `loss`. A path in a YAML file is relative to that file; one given "
+        "on the command line (`recipe.source=PATH`) is relative to the working directory.",
     )
     model: dict[str, Any] = Field({}, description="Keyword arguments for `build_model(**model)`.")
     dataset: dict[str, Any] = Field(

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from launcher.errors import RunError
 from launcher.launch import failure_report
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
+from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
@@ -55,7 +56,7 @@ def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, Ending]:
     # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
     # Every node removes it before it joins, so never after the run has started.
     plan.layout.stop_request.unlink(missing_ok=True)
-    console = console or Console()
+    console = console or LauncherConsole()
     quiet_elastic(plan.debug)
     os.environ.update(plan.worker_env())  # the elastic agent passes its environment on
     view = NodeView(plan, console)

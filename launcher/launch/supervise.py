@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from rich.console import Console
 from launcher.checkpoint.selection import resume_point
 from launcher.launch import rendezvous
 from launcher.launch.agent import AgentThread
+from launcher.launch.closed_output import flush_standard_streams
 from launcher.launch.display import RunDisplay
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
@@ -182,8 +182,7 @@ class Signals:
 def exit_now(code: int) -> NoReturn:
     """Ends the launcher while the elastic agent's thread is still inside torch: a normal
     interpreter exit would tear down its C++ objects under it and abort (SIGABRT)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush_standard_streams()
     os._exit(code)
 
 

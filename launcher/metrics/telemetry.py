@@ -26,8 +26,13 @@ from launcher.rundir.layout import RunLayout
 if TYPE_CHECKING:
     from launcher.metrics.sinks import Sink
 
+# The marker rank 0 writes into metrics.jsonl when a run resumes: {"resumed_at": STEP, "time":
+# ...}, STEP the step of the checkpoint it resumed from. The records before it of later steps
+# were done again after it (the run was killed past its last checkpoint): readers keep the
+# newer ones (`launcher.runs.metrics_file`).
+RESUMED_AT = "resumed_at"
 # The fields of a metrics record that say where a point is (its x axes), not a metric.
-NOT_METRICS = frozenset({"step", "epoch", "time"})
+NOT_METRICS = frozenset({"step", "epoch", "time", RESUMED_AT})
 
 
 def is_number(value: Any) -> bool:
@@ -113,6 +118,14 @@ class Telemetry:
             self._metrics.write(json.dumps(record) + "\n")
             if self._sinks is not None:
                 self._sinks.write(record)
+
+    def mark_resumed(self, step: int) -> None:
+        """Rank 0: marks in metrics.jsonl that the run resumed from step `step`'s checkpoint,
+        so that its readers count the steps done again after it once. Not for the sinks:
+        TensorBoard drops a resumed run's orphaned steps itself."""
+        if self._metrics is not None:
+            marker = {RESUMED_AT: step, "time": round(time.time(), 3)}
+            self._metrics.write(json.dumps(marker) + "\n")
 
     def write_summary(self, **fields: Any) -> None:
         if not self.is_main:

@@ -1,6 +1,7 @@
-"""The runs under an output folder (`<output_dir>/<run.name>/<timestamp or rdzv-id>/`) and
-what `train runs` says of each: its status, progress, losses, best evaluation, newest
-checkpoint and times. Everything is read from the run folder's files, never by asking torch.
+"""The runs under an output folder (`<output_dir>/<run.name>/<timestamp or rdzv-id>/`) or in
+folders named, and what `train runs` says of each: its status, progress, losses, best
+evaluation, newest checkpoint and times. Everything is read from the run folder's files, never
+by asking torch.
 
 A run is `running` while a launcher holds its lock (however old it is); else its launcher's
 record says how it ended (`launcher.rundir.outcome`); else it ended without a word (its
@@ -11,6 +12,7 @@ tell whether the lock is held (no flock), and the run recorded no end.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,11 +57,34 @@ def is_run(path: Path) -> bool:
     return path.is_dir() and (layout.lock.is_file() or layout.spec.is_file())
 
 
-def find_runs(output_dir: Path, name: str | None = None) -> list[Path]:
-    """The run folders under `output_dir` (of run `name` only, if given), oldest first."""
-    groups = [output_dir / name] if name else _folders(output_dir)
-    found = [run for group in groups for run in _folders(group) if is_run(run)]
-    return sorted(found, key=lambda run: (_started(RunLayout(run)) or 0.0, str(run)))
+def find_runs(output_dir: Path, names: Sequence[str] = ()) -> list[Path]:
+    """The run folders under `output_dir` (of these run names only, if any), oldest first."""
+    groups = [output_dir / name for name in names] if names else _folders(output_dir)
+    return _oldest_first(run for group in groups for run in _folders(group) if is_run(run))
+
+
+def find_runs_in(paths: Sequence[Path]) -> list[Path]:
+    """The run folders in `paths`, oldest first, each found once: a path is a run folder
+    itself (`--run-dir` put it anywhere), a folder of one name's runs (`runs/NAME/`) or an
+    output folder (`runs/`)."""
+    found: dict[Path, Path] = {}
+    for path in paths:
+        for run in _runs_in(path):
+            found.setdefault(run.resolve(), run)
+    return _oldest_first(found.values())
+
+
+def _runs_in(path: Path) -> list[Path]:
+    if is_run(path):
+        return [path]
+    runs = []
+    for child in _folders(path):
+        runs += [child] if is_run(child) else [run for run in _folders(child) if is_run(run)]
+    return runs
+
+
+def _oldest_first(runs: Iterable[Path]) -> list[Path]:
+    return sorted(runs, key=lambda run: (_started(RunLayout(run)) or 0.0, str(run)))
 
 
 def _folders(path: Path) -> list[Path]:
@@ -82,7 +107,8 @@ def describe_run(run_dir: Path, now: float | None = None) -> RunRow:
     ended = _ended(layout, status, outcome)
     end = ended if ended is not None else (now or time.time()) if status == "running" else None
     return RunRow(
-        name=run_dir.parent.name,
+        # The spec's: a run written with --run-dir is in a folder of any name.
+        name=spec.run.name if spec is not None else run_dir.parent.name,
         folder=str(run_dir),
         status=status,
         exit_code=outcome.exit_code if outcome else None,

@@ -1,6 +1,10 @@
 """Reading the JSON-lines files a run writes while it runs (metrics.jsonl, a rank's status
 records) without waiting for it: a line still being written, or cut short by a killed
-process, is skipped, never an error; a missing file holds no records."""
+process, is skipped, never an error; a missing file holds no records.
+
+A resumed run's metrics.jsonl holds a marker where it resumed (`RESUMED_AT`); the steps after
+its checkpoint that the run had done before it was killed are done again after the marker.
+Every reader sees each step once, with the newer values, and never the marker itself."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from launcher.metrics.telemetry import NOT_METRICS, is_number
+from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT, is_number
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -18,7 +22,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         data = path.read_bytes()
     except OSError:
         return []
-    return _parse(data.splitlines())
+    return without_replays(_parse(data.splitlines()))
 
 
 def tail_records(path: Path, size: int = 16384) -> list[dict[str, Any]]:
@@ -31,7 +35,7 @@ def tail_records(path: Path, size: int = 16384) -> list[dict[str, Any]]:
             lines = f.read().splitlines()
     except OSError:
         return []
-    return _parse(lines[1:] if start else lines)  # the first may be the end of a line
+    return without_replays(_parse(lines[1:] if start else lines))  # the first may be cut
 
 
 def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
@@ -46,6 +50,18 @@ def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
     return records
 
 
+def without_replays(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records without the resume markers, and without the records before each marker
+    of steps past its step: those steps were done again after it."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if RESUMED_AT not in record:
+            kept.append(record)
+        elif (resumed_at := value(record, RESUMED_AT)) is not None:
+            kept = [r for r in kept if (step := value(r, "step")) is None or step <= resumed_at]
+    return kept
+
+
 def value(record: dict[str, Any], metric: str) -> float | None:
     """The record's number for `metric`, or None where it has none (or not a number)."""
     found = record.get(metric)
@@ -55,7 +71,7 @@ def value(record: dict[str, Any], metric: str) -> float | None:
 def metric_names(records: list[dict[str, Any]]) -> list[str]:
     """The metrics the records hold, in the order they first appear."""
     names: dict[str, None] = {}
-    for record in records:
+    for record in without_replays(records):
         for key in record:
             if key not in NOT_METRICS and value(record, key) is not None:
                 names.setdefault(key)
@@ -67,6 +83,7 @@ def series(
 ) -> tuple[list[float], list[float]]:
     """One metric's curve: by `step` (a step a resumed run did again keeps its newest value)
     or by `time` (seconds since the first record)."""
+    records = without_replays(records)
     if x == "time":
         start = next((value(r, "time") for r in records if value(r, "time") is not None), 0.0)
         points = [(value(r, "time"), value(r, metric)) for r in records]

@@ -2,20 +2,23 @@
 time makes of them (achieved TFLOP/s per device, and MFU where the device's peak is known),
 with each rank's peak device memory.
 
-The FLOPs are counted, not assumed from a formula for one model family: the recipe's model is
-built again on the meta device and one micro-batch's forward and backward run through
-`torch.utils.flop_counter.FlopCounterMode`, once, at the first step. On meta tensors nothing
-is computed or allocated, so it costs milliseconds whatever the model's size. (Counting the
-real step would not do: a compiled block hides its matmuls from the counter.)
+The FLOPs are counted, not assumed from a formula for one model family: the first
+micro-batch's forward and backward run under `torch.utils.flop_counter.FlopCounterMode`, which
+counts every matmul and convolution as it goes, for any model, strategy and device, and calls
+nothing of the recipe's that the step would not call anyway (compiled code runs eagerly under
+the counter, for that one micro-batch). A resumed run keeps the count its checkpoint holds when
+its batches have the same shapes, so that its steps are those of a run that never stopped.
+Under activation checkpointing the recomputed forward counts too.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from launcher.parallel import rng
 from launcher.parallel.base import map_tensors
 from launcher.worker.recipe import Recipe
 
@@ -45,23 +48,23 @@ def peak_flops(device_name: str | None, precision: str, tf32: bool) -> float | N
     return None
 
 
-def count_flops(recipe: Recipe, model_kwargs: dict[str, Any], batch: Any) -> int:
-    """FLOPs of one micro-batch's forward and backward, on a meta copy of the model built by
-    a fresh copy of the recipe's module, so that the training's recipe sees no extra call."""
+def count_flops(recipe: Recipe, model: torch.nn.Module, batch: Any) -> int:
+    """FLOPs of one micro-batch's forward and backward through the recipe's loss, on `model`
+    built on the meta device, where nothing is computed (the benchmarks' count)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    state = rng.rng_state()  # a constructor may draw from Python's or numpy's generators
-    try:
-        recipe = recipe.fresh_copy()
-        with torch.device("meta"):
-            model = recipe.build_model(**model_kwargs)
-        meta_batch = map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
-        with FlopCounterMode(display=False) as counter:
-            loss, _ = recipe.loss(model, meta_batch)
-            loss.backward()
-        return int(counter.get_total_flops())
-    finally:
-        rng.set_rng_state(state)
+    meta_batch = map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = recipe.loss(model, meta_batch)
+        loss.backward()
+    return int(counter.get_total_flops())
+
+
+def shapes_of(batch: Any) -> list[list[int]]:
+    """The shape of every tensor in a batch, in order: what a FLOP count depends on."""
+    found: list[list[int]] = []
+    map_tensors(batch, lambda t: found.append(list(t.shape)))
+    return found
 
 
 class Speed:
@@ -78,19 +81,39 @@ class Speed:
         self.per_process = per_process  # micro-batches per step / devices per process
         self.per_step: int | None = None  # FLOPs per optimizer step per device
         self.counted = False
+        self._count: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None  # a checkpoint's count
 
-    def count(self, recipe: Recipe, model_kwargs: dict[str, Any], batch: Any) -> str | None:
-        """Counts once; returns a line to say where the FLOPs could not be counted."""
+    @contextlib.contextmanager
+    def counting(self, batch: Any) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: counts them, the first time."""
         if self.counted:
-            return None
+            yield
+            return
         self.counted = True
-        try:
-            flops = count_flops(recipe, model_kwargs, batch)
-        except Exception as exc:  # a model that reads values (.item()) cannot run on meta
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            return f"FLOPs not counted (the model does not run on the meta device: {reason[:160]})"
+        shapes = shapes_of(batch)
+        if self._restored is not None and self._restored.get("shapes") == shapes:
+            self._counted(self._restored["flops_per_micro_batch"], shapes)
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        # Compiled code under a dispatch mode would be skipped for good; forced eager for this
+        # micro-batch, it compiles at the next one, as it would have at this one.
+        with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
+            yield
+        self._counted(int(counter.get_total_flops()), shapes)
+
+    def _counted(self, flops: int, shapes: list[list[int]]) -> None:
+        self._count = {"flops_per_micro_batch": flops, "shapes": shapes}
         self.per_step = round(flops * self.per_process)
-        return None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The count, for the checkpoint: a resumed run with the same batch shapes keeps it."""
+        return self._count
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self._restored = state
 
     def fields(self, seconds_per_step: float) -> dict[str, float]:
         """TFLOP/s per device, MFU and this rank's peak device memory, where known."""

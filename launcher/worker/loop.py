@@ -68,10 +68,10 @@ class Trainer:
             spec.optim, self.model.parameters(), strategy.optimizer_defaults(), strategy.device.type
         )
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
-        self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed)
-        self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
         micro_batches = accum / strategy.devices_per_process  # per step and device
         self.speed = Speed(strategy.device, spec.train.precision, spec.train.tf32, micro_batches)
+        self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed, self.speed)
+        self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
         self.report = Reporter(
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
         )
@@ -107,6 +107,9 @@ class Trainer:
     def fit(self) -> None:
         if self.resume_from is not None:
             restore(self.resume_from, self.checkpointer, self.state, self.strategy, self.spec)
+            # Steps past this one that metrics.jsonl holds were lost with the attempt that
+            # wrote them: readers drop them at this mark, and see each step once.
+            self.telemetry.mark_resumed(self.progress.step)
         self.telemetry.beat(self.progress.step)
         resumed = self.progress.step if self.resume_from else None
         self.report.introduce(self.model, self.feed.samples, resumed)
@@ -214,10 +217,9 @@ class Trainer:
         samples = 0
         for i in range(accum):
             batch = next(batches)
-            if not self.speed.counted:  # the first micro-batch of this process
-                self._say(self.speed.count(self.recipe, self.spec.recipe.model, batch) or "")
             samples += batch_size(batch)
-            with self.strategy.sync_gradients(self.model, sync=i == accum - 1):
+            sync = i == accum - 1
+            with self.strategy.sync_gradients(self.model, sync), self.speed.counting(batch):
                 with self.strategy.autocast():
                     loss, metrics = self.recipe.loss(self.model, batch)
                 self.strategy.backward(loss / accum if accum > 1 else loss)

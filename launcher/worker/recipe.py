@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from launcher.config.sources import given_on_command_line
 from launcher.errors import UsageError
 from launcher.parallel.hugging_face import init_hf_weights, is_hf_model
 
@@ -88,23 +89,6 @@ class Recipe:
         if callable(hook) and state is not None:
             hook(state)
 
-    def fresh_copy(self) -> Recipe:
-        """The recipe's module executed anew, its globals its own: code that runs it for a
-        look (FLOP counting) leaves the training's module state (a call counter, say) as it
-        was. The module's name in `sys.modules` keeps pointing at the original."""
-        name = self.module.__name__
-        spec = importlib.util.find_spec(name) if not self.source.endswith(".py") else None
-        if spec is None:
-            spec = importlib.util.spec_from_file_location(name, self.module.__file__)
-        assert spec is not None and spec.loader is not None
-        copy = importlib.util.module_from_spec(spec)
-        sys.modules[name] = copy  # while it runs: dataclasses look their module up
-        try:
-            spec.loader.exec_module(copy)
-        finally:
-            sys.modules[name] = self.module
-        return Recipe(self.source, copy)
-
     def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """The recipe's loss, always as (loss, metrics)."""
         out = self.module.loss(model, batch)
@@ -122,13 +106,14 @@ class Recipe:
         return {"loss": loss, **metrics}
 
 
-def load_recipe(source: str) -> Recipe:
-    """Import `source` and check it has what the launcher calls.
+def load_recipe(source: str, origin: str = "") -> Recipe:
+    """Import `source` and check it has what the launcher calls. `origin`: where the path came
+    from, as `launcher.config.sources` records it (the launcher knows; a worker does not).
 
     A failure inside the user's own module shows their traceback: it is their bug to fix.
     """
     try:
-        module = _import(source)
+        module = _import(source, origin)
     except UsageError:
         raise
     except SyntaxError as exc:
@@ -151,6 +136,27 @@ def load_recipe(source: str) -> Recipe:
             "and loss(model, batch); see docs/recipes.md.",
         )
     return Recipe(source, module)
+
+
+def _relative_to(origin: str) -> str:
+    """What a relative path given where `origin` says was relative to: the path the user gave
+    has already been made absolute by the loader."""
+    given = origin.split(" (over ")[0]
+    if not given:  # a worker: its plan holds the path its launcher checked
+        return (
+            "A path in a YAML file is relative to that file's folder; one given on the command "
+            "line (recipe.source=PATH), to the working directory."
+        )
+    if given_on_command_line(given):
+        return (
+            f"It was given on the command line ({given}): a path given there is relative to "
+            f"the working directory, {os.getcwd()}."
+        )
+    yaml_file = Path(given.rsplit(":", 1)[0]).resolve()
+    return (
+        f"It was given in {given}: a path in a YAML file is relative to that file's folder, "
+        f"{yaml_file.parent}."
+    )
 
 
 # Frames of these say nothing about the user's bug: the launcher's, torch's, importlib's.
@@ -178,14 +184,11 @@ def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
         raise
 
 
-def _import(source: str) -> ModuleType:
+def _import(source: str, origin: str) -> ModuleType:
     if source.endswith(".py"):
         path = Path(source)
         if not path.is_file():
-            raise UsageError(
-                f"recipe.source: {source} does not exist",
-                hint="Paths in a YAML file are relative to that file.",
-            )
+            raise UsageError(f"recipe.source: {source} does not exist", hint=_relative_to(origin))
         # A recipe may import its sibling modules, as a script would.
         sys.path.insert(0, str(path.parent))
         spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)

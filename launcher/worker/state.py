@@ -9,6 +9,7 @@ from typing import Any
 
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
+from launcher.worker.flops import Speed
 from launcher.worker.metrics_window import MetricsWindow
 from launcher.worker.monitors import BestCheckpoints, EarlyStopping
 from launcher.worker.nonfinite import NonFiniteWatch
@@ -29,9 +30,16 @@ class TrainState:
     only with the world size they were saved at."""
 
     def __init__(
-        self, strategy: Strategy, scheduler: Any, recipe: Recipe, spec: RunSpec, feed: Any
+        self,
+        strategy: Strategy,
+        scheduler: Any,
+        recipe: Recipe,
+        spec: RunSpec,
+        feed: Any,
+        speed: Speed,
     ) -> None:
         self.strategy, self.scheduler, self.recipe = strategy, scheduler, recipe
+        self.speed = speed  # the FLOP count: a resumed run's first step needs no recount
         self.feed = feed  # where the train data stands (a stream's positions; launcher.worker.data)
         self.notes: list[str] = []  # for the user, after a load
         self.spec = spec  # saved for the record (what made this checkpoint); never loaded
@@ -59,6 +67,7 @@ class TrainState:
             "window": self.window.state_dict(),
             "recipe": self.recipe.state_dict(),
             "data": self.feed.state_dict(),
+            "flops": self.speed.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
@@ -76,5 +85,6 @@ class TrainState:
         if own is None:
             return
         self.strategy.set_rng_state(own["rng"])
+        self.speed.load_state_dict(own.get("flops"))
         self.window.load_state_dict(own["window"], self.strategy.device)
         self.recipe.load_state_dict(own["recipe"])

@@ -15,7 +15,9 @@ Positions. Each batch carries, from the worker that made it, where that worker's
 after it. The training process keeps the position of the last batch it *took* (not the ones
 prefetched), per worker, and a checkpoint saves them. A dataset with `state_dict()` /
 `load_state_dict()` (torchdata's Stateful protocol; HF datasets) is restored from its own state;
-any other is fast-forwarded by reading and skipping the items its share already gave.
+any other is fast-forwarded by reading and skipping the items its share already gave. An HF
+stream's state holds no shuffle buffer: restored, it starts with the buffer empty, and the
+resume says so (`shuffle_buffer`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ class Tag:
 
 def is_hf_stream(dataset: Any) -> bool:
     return type(dataset).__module__.split(".")[0] == "datasets" and hasattr(dataset, "n_shards")
+
+
+def shuffle_buffer(dataset: Any) -> Any | None:
+    """What holds a Hugging Face stream's shuffle buffer (`dataset.shuffle(buffer_size=...)`),
+    or None where it has none. Its state_dict() keeps the stream's position, not the buffer's
+    content. Found by class name, as `datasets` is not the launcher's dependency: its
+    `BufferShuffledExamplesIterable` among the iterables the stream wraps (every version), or
+    the shuffling config the 2.x-4.x versions keep."""
+    pending = [getattr(dataset, "_ex_iterable", None)]
+    seen = set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return node
+        pending.append(getattr(node, "ex_iterable", None))
+        inner = getattr(node, "ex_iterables", None)  # interleaved or concatenated streams
+        pending.extend(inner if isinstance(inner, list | tuple) else [])
+    return getattr(dataset, "_shuffling", None)
 
 
 def stateful(dataset: Any) -> bool:
@@ -190,6 +213,8 @@ class StreamFeed:
             )
         self.positions = {int(w): Position(**p) for w, p in state["positions"].items()}
         self.next_worker = state["next_worker"]
+        if any(p.state is not None for p in self.positions.values()):
+            return _empty_buffer_note(self.share.dataset)
         skips = [p.taken for p in self.positions.values() if p.state is None and p.taken]
         if not skips:
             return None
@@ -198,6 +223,23 @@ class StreamFeed:
             f"items it took (up to {max(skips):,}), which takes time; a dataset with "
             "state_dict()/load_state_dict() continues at once"
         )
+
+
+def _empty_buffer_note(dataset: Any) -> str | None:
+    """Restored from its own state, a stream with a shuffle buffer continues at its position,
+    but not as an uninterrupted run would (a read-and-skip fast-forward would refill the
+    buffer as it was; a state does not)."""
+    buffer = shuffle_buffer(dataset)
+    if buffer is None:
+        return None
+    size = getattr(buffer, "buffer_size", None)
+    of = f" of {size:,} samples" if isinstance(size, int) else ""
+    return (
+        f"the train stream resumes at its saved position, but its shuffle buffer{of} starts "
+        "empty (Hugging Face datasets does not save it): the samples that were in it are "
+        "skipped in this pass, and the samples after it come in another order than in an "
+        "uninterrupted run"
+    )
 
 
 def _in_turn(loader: Iterable[Any], first: int, workers: int) -> Iterator[Any]:

@@ -14,7 +14,7 @@ import pytest
 
 from launcher.config.loader import load_cli_spec
 from launcher.errors import UsageError
-from tests.conftest import REPO, finish_train, start_train, write_spec
+from tests.conftest import REPO, finish_train, run_train, start_train, usage_error, write_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,6 +276,46 @@ def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path: Path) ->
     os.mkfifo(tmp_path / "run.yaml")
     with pytest.raises(UsageError, match=r"run\.yaml: not a regular file"):
         load_cli_spec(tmp_path / "run.yaml")
+
+
+@pytest.mark.timeout(180)
+def test_a_recipe_path_is_relative_to_its_yaml_file_or_to_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    configs, work = tmp_path / "configs", tmp_path / "work"
+    configs.mkdir()
+    work.mkdir()
+    (work / "mine.py").write_text(Path(MLP).read_text())
+    spec = write_spec(configs / "run.yaml", recipe={"source": "mine.py"}, launch={"devices": 1})
+    # In the YAML file: next to the file, where there is none.
+    result = run_train(["validate", "--config", str(spec)], cwd=work)
+    usage_error(
+        result,
+        f"recipe.source: {configs / 'mine.py'} does not exist",
+        f"{spec}:",
+        f"relative to that file's folder, {configs}.",
+    )
+    assert "working directory" not in result.stderr
+    # On the command line: in the working directory, as any path typed there.
+    result = run_train(["validate", "--config", str(spec), "recipe.source=mine.py"], cwd=work)
+    assert result.returncode == 0, result.stderr
+    result = run_train(["--config", str(spec), "recipe.source=other.py"], cwd=work)
+    usage_error(
+        result,
+        f"recipe.source: {work / 'other.py'} does not exist",
+        "override recipe.source=other.py",
+        f"relative to the working directory, {work}.",
+    )
+    assert "YAML" not in result.stderr
+
+
+def test_a_worker_missing_its_recipe_says_both_rules(tmp_path: Path) -> None:
+    from launcher.worker.recipe import load_recipe
+
+    with pytest.raises(UsageError) as info:
+        load_recipe(str(tmp_path / "gone.py"))  # its plan holds no origin
+    message = info.value.render()
+    assert "relative to that file's folder" in message and "working directory" in message
 
 
 def test_the_corpus_is_big_enough() -> None:

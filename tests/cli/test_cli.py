@@ -36,7 +36,8 @@ def test_validate_accepts_a_good_spec_and_runs_nothing(tmp_path: Path) -> None:
         ["validate", "--config", str(REPO / "configs" / "gpt_ddp.yaml")], cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
-    assert "ok" in result.stderr
+    assert result.stdout.startswith(f"{REPO / 'configs' / 'gpt_ddp.yaml'}: ok · model GPT")
+    assert result.stderr == ""
     assert not (tmp_path / "runs").exists()
 
 

@@ -110,6 +110,15 @@ def test_the_usage_line_and_the_commands_listed() -> None:
     assert "Usage: train [OPTIONS] [KEY=VALUE]..." in error
 
 
+@pytest.mark.parametrize("args", [["run"], ["run", "--config", "configs/quickstart.yaml"]])
+def test_train_run_is_refused_one_letter_from_train_runs(args: list[str]) -> None:
+    result = _train(args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = result.stderr.replace("NO-TORCH", "").strip()
+    assert len(error.splitlines()) == 1, error
+    assert "`train --config FILE` runs a spec" in error and "`train runs`" in error
+
+
 def _complete(words: str) -> list[str]:
     cword = len(words.split()) - (0 if words.endswith(" ") else 1)
     env = {"_TRAIN_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
@@ -121,6 +130,7 @@ def test_shell_completion_offers_commands_and_the_runs_options() -> None:
     assert _complete("train --con") == ["--config"]
     assert set(_complete("train --devices 2 --str")) == {"--strategy", "--strict-compile"}
     assert _complete("train validate --ex") == ["--explain"]
+    assert _complete("train ru") == ["runs"]
 
 
 def test_the_printed_schema_is_the_shipped_one_and_every_config_validates() -> None:

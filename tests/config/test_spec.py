@@ -33,6 +33,16 @@ def test_minimal_spec_takes_documented_defaults(tmp_path: Path) -> None:
     assert spec.recipe.source == str(tmp_path / "r.py")  # relative to the YAML file
 
 
+def test_a_recipe_path_given_as_an_override_is_relative_to_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    spec, _ = load_spec_and_sources(_spec(tmp_path, MINIMAL), ["recipe.source=other.py"])
+    assert spec.recipe.source == str(work / "other.py")
+
+
 def test_all_errors_at_once_with_key_line_and_suggestion(tmp_path: Path) -> None:
     text = MINIMAL + "optim:\n  lr: fast\n  lrr: 3\ntrian: {}\nlaunch: {accelerator: gpux}\n"
     message = _errors(_spec(tmp_path, text))

@@ -166,10 +166,40 @@ def test_a_half_written_line_and_a_silent_end(runs: tuple[Path, dict], tmp_path:
     (lost / "outcome.json").unlink()
     with (lost / "metrics.jsonl").open("a") as f:
         f.write('{"step": 9, "loss": 0.0')  # cut short, as a kill leaves it
-    row = listed(tmp_path / "runs")["lost"]
+    row = listed(tmp_path / "runs")["good"]  # its spec's run.name, whatever its folder
     assert row["status"] == "interrupted" and row["exit_code"] is None
     assert row["step"] == 8 and row["best_loss"] > 0.0
     assert row["ended"] is not None
+
+
+def test_runs_lists_any_folders_given_as_paths(runs: tuple[Path, dict], tmp_path: Path) -> None:
+    out, _ = runs
+    # Where `--run-dir elsewhere/x` puts a run: outside every run.output_dir.
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(Path(listed(out, "good")["good"]["folder"]), elsewhere / "x")
+    (tmp_path / "quickstart").mkdir()  # a folder, so `quickstart` is a PATH here
+
+    def names(*args: str) -> list[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "launcher.cli.app", "runs", "--json", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert result.returncode == 0, result.stderr
+        return sorted(row["name"] for row in json.loads(result.stdout))
+
+    assert names("elsewhere/x") == ["good"]  # a run folder
+    assert names("elsewhere") == ["good"]  # a folder that holds one
+    assert names(str(out)) == ["bad", "good", "slow"]  # an output folder
+    assert names(str(out / "slow")) == ["slow"]  # a folder of one name's runs
+    assert names(str(out), "elsewhere", "good") == ["good", "good"]  # NAME filters the PATHs
+    assert names(str(out), str(out / "good")) == ["bad", "good", "slow"]  # each run once
+    assert names("quickstart") == []  # a folder, not the name
+    assert names("--output-dir", str(out), "slow") == ["slow"]  # a NAME, as before
+    usage_error(cli("runs", "elsewhere/nosuch"), "elsewhere/nosuch: no such folder")
 
 
 def test_listing_runs_does_not_import_torch(runs: tuple[Path, dict]) -> None:
@@ -204,6 +234,7 @@ def test_plot_writes_a_png_of_every_run(runs: tuple[Path, dict], tmp_path: Path)
     folders = [rows["good"]["folder"], rows["slow"]["folder"]]
     result = cli("plot", *folders, "--metric", "loss,val/loss", "--metric", "lr", "--out", str(png))
     assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote {png}\n"  # the result, on stdout
     # Two panels: loss with val/loss, and lr.
     assert _png_size(png) == (round(FIGURE_WIDTH * DPI), round(2 * PANEL_HEIGHT * DPI))
     by_time = cli("plot", folders[0], "--x", "time", "--out", str(png))

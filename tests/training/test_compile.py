@@ -71,6 +71,7 @@ def test_compiled_fsdp_with_accumulation_and_eval_agrees_with_eager(tmp_path: Pa
     )
     summary = _summary(compiled)
     assert summary["dynamo_compilations"] > 0
+    assert summary["flops_per_step"] > 0  # counted, compiled blocks included
     assert summary["dynamo_compilations_after_warmup"] == 0
 
 

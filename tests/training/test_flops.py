@@ -1,6 +1,8 @@
-"""Counted FLOPs (FlopCounterMode on a meta copy of the model): the GPT recipe's count is the
-transformer formula's, the MLP's is its matmuls exactly; the figures reach the log line,
-metrics.jsonl and summary.json; a model that cannot run on meta is said, never fatal."""
+"""Counted FLOPs (FlopCounterMode around the first micro-batch's forward and backward): the
+GPT recipe's count is the transformer formula's, the MLP's is its matmuls exactly; the figures
+reach the log line, metrics.jsonl and summary.json; the count calls nothing of the recipe's
+that the step would not (build_model once per process, loss once per micro-batch); and a
+resumed run keeps its checkpoint's count."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ def test_the_gpt_count_is_the_transformer_formula() -> None:
     n_layer, width, vocab, batch, length = 2, 64, 256, 4, 64
     model = {"n_layer": n_layer, "n_head": 2, "n_embd": width, "block_size": length}
     tokens = torch.zeros(batch, length, dtype=torch.long)
-    counted = count_flops(recipe, model, (tokens, tokens))
+    with torch.device("meta"):
+        meta_model = recipe.build_model(**model)
+    counted = count_flops(recipe, meta_model, (tokens, tokens))
     # 6 FLOPs per matmul weight per token (forward 2, backward 4): a block's 12 C^2 weights
     # (qkv 3, proj 1, mlp 4 + 4) and the lm_head; embeddings are lookups, not matmuls. Plus
     # attention's QK^T and AV, 4 B L^2 C per layer forward, twice that backward (counted
@@ -36,64 +40,117 @@ def test_the_mlp_count_is_its_matmuls_exactly() -> None:
     recipe = load_recipe(str(REPO / "recipes" / "mlp.py"))
     n, sizes = 8, [(16, 64), (64, 64), (64, 1)]
     batch = (torch.zeros(n, 16), torch.zeros(n, 1))
-    counted = count_flops(recipe, {}, batch)
+    counted = _count(recipe.build_model(), batch, recipe)
     forward = sum(2 * n * a * b for a, b in sizes)
     # Backward: every weight's gradient, and every input's but the data's (it needs none).
     backward = forward + sum(2 * n * a * b for a, b in sizes[1:])
     assert counted == forward + backward
 
 
+def _count(model: torch.nn.Module, batch: tuple, recipe, speed=None) -> int:  # type: ignore[no-untyped-def]
+    """What the loop does: the first micro-batch's forward and backward under `counting`."""
+    from launcher.worker.flops import Speed
+
+    speed = speed or Speed(torch.device("cpu"), "fp32", True, 1)
+    with speed.counting(batch):
+        loss, _ = recipe.loss(model, batch)
+        loss.backward()
+    return speed.per_step
+
+
+def test_a_model_that_reads_values_is_counted_too() -> None:
+    """The count follows the real step: a model that reads a value on the host (`.item()`)
+    runs as it does in training, and is counted."""
+
+    class Reads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.layer(x)
+            return -out if out.sum().item() > 0 else out
+
+    recipe = load_recipe(str(REPO / "recipes" / "mlp.py"))
+    counted = _count(Reads(), (torch.zeros(2, 4), torch.zeros(2, 1)), recipe)
+    assert counted == 2 * 2 * 4 * 1 * 2  # forward and the weight's gradient
+
+
+def test_a_resumed_run_keeps_its_checkpoints_count_for_the_same_shapes() -> None:
+    from launcher.worker.flops import Speed
+
+    recipe = load_recipe(str(REPO / "recipes" / "mlp.py"))
+    batch = (torch.zeros(8, 16), torch.zeros(8, 1))
+    first = Speed(torch.device("cpu"), "fp32", True, 1)
+    counted = _count(recipe.build_model(), batch, recipe, first)
+    resumed = Speed(torch.device("cpu"), "fp32", True, 1)
+    resumed.load_state_dict(first.state_dict())
+    with resumed.counting(batch):
+        pass  # nothing counted: the checkpoint's count stands
+    assert resumed.per_step == counted
+    other = Speed(torch.device("cpu"), "fp32", True, 1)
+    other.load_state_dict(first.state_dict())
+    bigger = (torch.zeros(16, 16), torch.zeros(16, 1))  # a new batch size: counted again
+    assert _count(recipe.build_model(), bigger, recipe, other) == 2 * counted
+
+
 COUNTING_RECIPE = """
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
-calls = 0
+def _mark(what):
+    marks = Path(os.environ["MARKS"])
+    marks.mkdir(exist_ok=True)
+    with open(marks / f"{what}-{os.environ['RANK']}", "a") as f:
+        f.write("x")
 
+def build_model():
+    _mark("build_model")
+    print("building the model (once)")
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
-class Reads(nn.Module):
-    def __init__(self, read):
-        super().__init__()
-        self.layer, self.read = nn.Linear(4, 1), read
-
-    def forward(self, x):
-        if self.read and self.layer(x).sum().item() > 0:  # no meta tensor has a value
-            return -self.layer(x)
-        return self.layer(x)
-
-
-def build_model(read=False):
-    return Reads(read)
-
+def init_weights(model):  # fsdp builds it on meta and initialises each rank's shards
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
 
 def build_dataset(split):
-    return torch.utils.data.TensorDataset(torch.zeros(8, 4))
-
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
 
 def loss(model, batch):
-    global calls
-    calls += 1
-    return model(batch).mean()
+    _mark("loss")
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
 """
 
 
-@pytest.mark.parametrize("read", [False, True])
-def test_counting_leaves_the_recipes_state_alone(tmp_path: Path, read: bool) -> None:
-    """The count runs a fresh copy of the recipe's module: the training's recipe sees no
-    extra call of its loss (a recipe may count its calls); one that reads values on the host
-    is not counted, and says why."""
-    from launcher.worker.flops import Speed
-
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_recipe_runs_as_often_as_documented_and_flops_are_counted(
+    tmp_path: Path, strategy: str
+) -> None:
+    """build_model once per process (fsdp's meta build included), loss once per micro-batch."""
     (tmp_path / "counting.py").write_text(COUNTING_RECIPE)
-    recipe = load_recipe(str(tmp_path / "counting.py"))
-    speed = Speed(torch.device("cpu"), "fp32", True, 1)
-    note = speed.count(recipe, {"read": read}, torch.zeros(2, 4))
-    assert recipe.module.calls == 0
-    if read:
-        assert note is not None and note.startswith("FLOPs not counted"), note
-        assert speed.per_step is None and speed.fields(0.1) == {}
-    else:
-        assert note is None and speed.per_step == 2 * 2 * 4 * 2  # forward and weight grad
-    assert speed.count(recipe, {}, torch.zeros(2, 4)) is None  # once per process
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        launch={"strategy": strategy},
+        recipe={"source": str(tmp_path / "counting.py"), "dataset": {}},
+        train={"max_steps": 3, "log_every": 3, "grad_accum_steps": 2},
+        checkpoint={"enabled": False},
+    )
+    marks = tmp_path / "marks"
+    result = run_train(["--config", str(spec)], cwd=tmp_path, env={"MARKS": str(marks)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert (marks / f"build_model-{rank}").read_text() == "x"
+        assert (marks / f"loss-{rank}").read_text() == "x" * 6  # 3 steps of 2 micro-batches
+    # One line for both ranks (the display merges the same line from every rank), once.
+    assert result.stdout.count("building the model (once)") == 1, result.stdout
+    summary = json.loads((only_run_dir(tmp_path / "runs") / "summary.json").read_text())
+    per_micro_batch = 3 * 2 * 8 * (4 * 8 + 8 * 1) - 2 * 8 * 4 * 8  # no input gradient
+    assert summary["flops_per_step"] == 2 * per_micro_batch
 
 
 def test_the_peak_table() -> None:

@@ -19,6 +19,7 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
 
+from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.display.alerts import AlertDetector, may_hold_alerts
 from launcher.launch.display.coalesce import Coalescer
 from launcher.launch.display.sanitize import decode
@@ -60,7 +61,7 @@ class RunDisplay:
         self._layout = RunLayout(Path(run_dir))
         self._ranks = list(dict.fromkeys(ranks))
         self._show = show
-        self._console = console if console is not None else Console(stderr=False)
+        self._console = console if console is not None else LauncherConsole()
         self._terminal = self._console.is_terminal and not self._console.is_dumb_terminal
         self._sink: PlainSink | TerminalSink = (
             TerminalSink(self._console, lambda rank: str(self._layout.log(rank)))

@@ -1,11 +1,13 @@
 """Where the display's lines go: plain text in large batches when stdout is a file, a pipe or
 CI, or rich text above the live table on a terminal, which folds bursts it cannot show."""
 
-from collections.abc import Callable, Collection, Iterable
+import contextlib
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from rich.console import Console
 from rich.text import Text
 
+from launcher.launch.closed_output import reader_gone, stop_writing
 from launcher.launch.display.alerts import AlertDetector, may_hold_alerts
 from launcher.launch.display.lines import format_line, prefix
 from launcher.launch.display.sanitize import clean, clean_chunk
@@ -37,11 +39,12 @@ class PlainSink:
         # Under the console's own lock, the one rich writes under: a line the launcher
         # prints meanwhile (from another thread) comes between blocks, never inside one.
         # A text file's write is not atomic across threads: it fills its buffer in parts.
-        with self.console._lock:
-            self.console.file.write(text)
+        with self.console._lock, quiet_if_reader_gone(self.console):
+            if not self.console.quiet:
+                self.console.file.write(text)
 
     def flush(self) -> None:
-        with self.console._lock:
+        with self.console._lock, quiet_if_reader_gone(self.console):
             self.console.file.flush()
 
 
@@ -99,10 +102,23 @@ class TerminalSink:
             )
 
     def flush(self) -> None:
-        self.console.file.flush()
+        with quiet_if_reader_gone(self.console):
+            self.console.file.flush()
 
     def _alerts(self, rank: int, lines: list[str]) -> list[str]:
         """The warnings, errors and traceback lines among a rank's `lines`, in order."""
         if not self._detector.in_block(rank) and not may_hold_alerts("\n".join(lines)):
             return []
         return [line for line in lines if self._detector.is_alert(rank, line)]
+
+
+@contextlib.contextmanager
+def quiet_if_reader_gone(console: Console) -> Iterator[None]:
+    """A write whose reader is gone (`train ... | head`) quiets the console for good: the run
+    goes on, and the display says nothing more."""
+    try:
+        yield
+    except OSError as exc:
+        if not reader_gone(exc):
+            raise
+        stop_writing(console)

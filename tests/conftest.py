@@ -180,3 +180,11 @@ def only_run_dir(runs: Path) -> Path:
     found = [p for p in runs.glob("*/*") if p.is_dir()]
     assert len(found) == 1, found
     return found[0]
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl as its readers see it (`train runs`, `train plot`): each step once,
+    the records of steps a resume replayed replaced by the replay's."""
+    from launcher.runs.metrics_file import read_records
+
+    return read_records(run_dir / "metrics.jsonl")

@@ -5,14 +5,13 @@ existed is changed. A branch attempt that failed never blocks its retry."""
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_train, usage_error, write_spec
+from tests.conftest import metrics_of, run_train, usage_error, write_spec
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -120,8 +119,7 @@ def test_a_branch_attempt_that_failed_before_its_first_step_can_be_retried(
     assert "hidden: 8" in (tmp_path / "branch" / "spec.yaml").read_text()
     result = run_train([*branch, "train.max_steps=5"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    metrics = (tmp_path / "branch" / "metrics.jsonl").read_text().splitlines()
-    assert {json.loads(line)["step"] for line in metrics} == {5}
+    assert {r["step"] for r in metrics_of(tmp_path / "branch")} == {5}
     # The folder's spec is the attempt's that trained, not the one that failed.
     assert "hidden" not in (tmp_path / "branch" / "spec.yaml").read_text()
     assert not list((tmp_path / "branch").glob("spec.resume-*"))

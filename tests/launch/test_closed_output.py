@@ -16,7 +16,7 @@ from rich.console import Console
 
 from launcher.launch.closed_output import LauncherConsole, flush_standard_streams
 from launcher.launch.display import RunDisplay
-from tests.conftest import TRAIN, finish_train, only_run_dir, start_train, write_spec
+from tests.conftest import TRAIN, finish_train, metrics_of, only_run_dir, start_train, write_spec
 
 NOISE = ("Traceback", "BrokenPipeError", "Exception ignored", "display error")
 
@@ -25,7 +25,7 @@ def _assert_finished_whole(tmp_path: Path, steps: int) -> None:
     run_dir = only_run_dir(tmp_path / "runs")
     outcome = json.loads((run_dir / "outcome.json").read_text())
     assert (outcome["status"], outcome["exit_code"], outcome["reason"]) == ("finished", 0, "")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_of(run_dir)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
     assert f"done: {steps} steps" in (run_dir / "logs" / "rank-0.log").read_text()
 

@@ -3,7 +3,6 @@ rendezvous: ranks, the shared run folder, a lost node, and a node started again.
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -13,7 +12,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import finish_train, start_train, usage_error, wait_for_step, write_spec
+from tests.conftest import (
+    finish_train,
+    metrics_of,
+    start_train,
+    usage_error,
+    wait_for_step,
+    write_spec,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,9 +71,7 @@ def finish_nodes(
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [
-        json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    return [r["loss"] for r in metrics_of(run_dir)]
 
 
 def test_two_nodes_make_one_run_that_matches_one_node_with_two_processes(tmp_path: Path) -> None:

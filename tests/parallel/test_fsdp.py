@@ -3,14 +3,13 @@ another number of processes is tested for both strategies in test_resume.py.)"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.checkpoint.test_resume import GPT_SMALL, _assert_bitwise, _gpt_spec, _losses, _weights
-from tests.conftest import only_run_dir, run_train, write_spec
+from tests.conftest import metrics_of, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 GPT = GPT_SMALL
@@ -28,8 +27,7 @@ def _gpt_run(folder: Path, strategy: str, *extra: str) -> list[float]:
     )
     result = run_train(["--config", str(spec), *extra], cwd=folder)
     assert result.returncode == 0, result.stdout + result.stderr
-    metrics = (only_run_dir(folder / "runs") / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in metrics]
+    return [r["loss"] for r in metrics_of(only_run_dir(folder / "runs"))]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ any update, and rank 0 saves them."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,7 +15,7 @@ from torch import nn
 
 from launcher.parallel.precision import cpu_has_fast_bf16
 from launcher.parallel.shard_units import shard_units
-from tests.conftest import REPO, only_run_dir, run_train, write_spec
+from tests.conftest import REPO, metrics_of, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -163,8 +162,7 @@ def _run(folder: Path, base: Path, strategy: str, *extra: str, steps: int = 1) -
     output = result.stdout + result.stderr
     if result.returncode != 0:
         return Run(None, output, [], result.returncode)
-    lines = (only_run_dir(folder / "runs") / "metrics.jsonl").read_text().splitlines()
-    losses = [json.loads(line)["loss"] for line in lines]
+    losses = [r["loss"] for r in metrics_of(only_run_dir(folder / "runs"))]
     return Run(torch.load(out), output, losses, result.returncode)
 
 

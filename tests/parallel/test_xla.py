@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launcher.launch.devices import Devices, tpu_devices
-from tests.conftest import FAULTY_RECIPE, REPO, run_train, write_spec
+from tests.conftest import FAULTY_RECIPE, REPO, metrics_of, run_train, write_spec
 from tests.conftest import usage_error as _usage_error
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -53,8 +53,7 @@ def _train(  # type: ignore[no-untyped-def]
 
 
 def _losses(run: Path) -> dict[int, float]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["loss"] for r in metrics_of(run)}
 
 
 def _summary(run: Path) -> dict:

@@ -3,13 +3,13 @@ whose last batch does not divide over the devices, compiled at the first evaluat
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from recipes import mlp
+from tests.conftest import metrics_of
 from tests.parallel.test_xla import _spec, _summary, _train, needs_xla
 from tests.training.test_nonfinite import NAN_RECIPE
 
@@ -35,7 +35,7 @@ def test_xla_evaluates_the_exact_mean_and_compiles_it_once(
     result = _train(tmp_path, spec, "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "XLA compiled" not in result.stdout + result.stderr
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_of(tmp_path / "run")
     evals = {r["step"]: r["val/loss"] for r in records if "eval_s" in r}
     assert sorted(evals) == [3, 6, 9, 12]
 

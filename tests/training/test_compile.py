@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.checkpoint.test_resume import _assert_bitwise, _weights
-from tests.conftest import only_run_dir, run_train, tiny_gpt, write_spec
+from tests.conftest import metrics_of, only_run_dir, run_train, tiny_gpt, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,7 +42,7 @@ def _run(spec: Path, *args: str) -> Path:
 
 
 def _losses(run: Path) -> dict[int, float]:
-    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    records = metrics_of(run)
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from recipes import mlp
-from tests.conftest import only_run_dir, run_train, tiny_gpt, write_spec
+from tests.conftest import metrics_of, only_run_dir, run_train, tiny_gpt, write_spec
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher_only]
 
@@ -59,7 +59,7 @@ def load_state_dict(state):
 
 
 def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return metrics_of(run)
 
 
 def _evals(run: Path) -> dict[int, dict]:

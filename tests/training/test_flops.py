@@ -14,7 +14,7 @@ import torch
 
 from launcher.worker.flops import count_flops, describe, peak_flops
 from launcher.worker.recipe import load_recipe
-from tests.conftest import REPO, only_run_dir, run_train, write_spec
+from tests.conftest import REPO, metrics_of, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,7 +180,7 @@ def test_a_run_reports_flops_per_step_and_tflops(tmp_path: Path) -> None:
     per_micro_batch = 232_448  # test_the_mlp_count_is_its_matmuls_exactly, at 8 samples
     assert summary["flops_per_step"] == 2 * per_micro_batch
     assert summary["tflops_per_device"] > 0 and summary["peak_flops"] is None
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_of(run)
     assert all(r["tflops_per_device"] > 0 and "mfu" not in r for r in records)
     assert "TFLOP/s" in result.stdout and "MFU" not in result.stdout
     status = (run / "telemetry" / "rank-0.jsonl").read_text()

@@ -3,14 +3,13 @@ same global batches. This proves gradient averaging and sampler sharding are rig
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import only_run_dir, run_train, write_spec
+from tests.conftest import metrics_of, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,7 +27,7 @@ def _train(tmp_path: Path, name: str, devices: int, batch: int, accum: int) -> t
     result = run_train(["--config", str(spec)], cwd=folder)
     assert result.returncode == 0, result.stderr + result.stdout
     run = only_run_dir(folder / "runs")
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in metrics_of(run)]
     dcp_to_torch_save(run / "checkpoints" / "step-00000012", folder / "final.pt")
     weights = torch.load(folder / "final.pt", weights_only=True)["model"]
     return losses, weights

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.checkpoint.test_resume import _assert_bitwise, _weights
-from tests.conftest import REPO, free_port, run_train, tiny_gpt, write_spec
+from tests.conftest import REPO, free_port, metrics_of, run_train, tiny_gpt, write_spec
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,7 +36,7 @@ worker.main(["--plan", sys.argv[1]])
 
 
 def _losses(run: Path) -> dict[int, float]:
-    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    records = metrics_of(run)
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 

@@ -5,12 +5,11 @@ each share exactly where it stopped, and a streamed val split is evaluated."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import only_run_dir, run_train, usage_error, write_spec
+from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,7 +94,7 @@ def _seen(folder: Path, rank: int) -> list[list[int]]:
 
 
 def _losses(run: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_of(run)
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 

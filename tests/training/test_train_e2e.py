@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, only_run_dir, run_train, write_spec
+from tests.conftest import REPO, metrics_of, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +27,7 @@ def test_two_ranks_stream_prefixed_logs_and_write_run_files(tmp_path: Path) -> N
     for rank in (0, 1):
         log = (run / "logs" / f"rank-{rank}.log").read_text()
         assert f"process {rank}/2" in log
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_of(run)
     assert [m["step"] for m in metrics] == list(range(1, 11))
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert checkpoints == ["step-00000005", "step-00000010"]
@@ -78,7 +77,7 @@ def test_resume_latest_continues_the_same_run(tmp_path: Path) -> None:
     assert "resumed at step 6" in second.stdout
     assert "step 7/9" in second.stdout and "step 1/9" not in second.stdout
     run = only_run_dir(tmp_path / "runs")  # continued in place, no second run folder
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in metrics_of(run)]
     assert steps == list(range(1, 10))
     assert (run / "spec.yaml").is_file() and (run / "spec.resume-1.yaml").is_file()
 
@@ -106,6 +105,6 @@ def test_mixed_precision_trains_on_cpu(tmp_path: Path, precision: str) -> None:
     result = run_train(["--config", str(spec), "optim.name=AdamW", "optim.lr=1e-2"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr + result.stdout
     run = only_run_dir(tmp_path / "runs")
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in metrics_of(run)]
     assert len(losses) == 8 and all(loss == loss for loss in losses)  # no NaN
     assert losses[-1] < losses[0]

@@ -24,18 +24,13 @@ from typing import Any
 
 import torch
 
-from launcher.checkpoint.format import check_matches, weights_only_planner
+from launcher.checkpoint.format import check_matches, read_meta, weights_only_planner
 from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
 from launcher.errors import RunError
 from launcher.parallel.base import Strategy, local_shard
 from launcher.rundir.layout import CheckpointFiles, RunLayout
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads(CheckpointFiles(path).meta.read_text())
-
 
 # A background save still writing when the next one starts, for longer than this, is worth
 # a warning: shorter waits are noise next to a step.

@@ -3,6 +3,9 @@
 DCP unpickles its `.metadata` file and non-tensor values with full pickle. Here the metadata
 is first read with an unpickler that only builds DCP's own metadata classes, and values are
 loaded with `weights_only=True`: loading a checkpoint never runs code from it.
+
+torch is imported only by what needs it: reading meta.json (`read_meta`, `meta_damage`) and
+choosing a checkpoint (`launcher.checkpoint.selection`) stay torch-free.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import json
 import pickle
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles
@@ -55,6 +56,8 @@ def _is_dcp_class(module: str, name: str) -> bool:
 
 
 def _is_dtype(module: str, name: str) -> bool:
+    import torch
+
     return (
         module == "torch"
         and "." not in name
@@ -114,6 +117,12 @@ def _data_damage(path: Path, storage: Any) -> str | None:
     return None
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json: progress, the spec that made it, the YAML file as that run
+    read it (`config_file`), the world size."""
+    return json.loads(CheckpointFiles(path).meta.read_text())
+
+
 def meta_damage(path: Path) -> str | None:
     """What keeps the checkpoint's meta.json from being read; None when it reads."""
     try:
@@ -133,6 +142,8 @@ def _state_damage(path: Path) -> str | None:
     problem = meta_damage(path)
     if problem is not None:
         return problem
+    import torch
+
     world_size = json.loads(files.meta.read_text())["world_size"]
     for rank in range(world_size):
         try:
@@ -179,6 +190,7 @@ def _mismatches(ours: dict[str, Any], theirs: dict[str, Any], prefix: str) -> li
 
 
 def weights_only_planner() -> Any:
+    import torch
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from launcher.cli.options import (
     AcceleratorOpt,
-    ConfigOpt,
     DevicesOpt,
     MaxRestartsOpt,
     Overrides,
@@ -21,10 +20,24 @@ from launcher.cli.options import (
     run_guarded,
 )
 from launcher.cli.validate import check_recipe
+from launcher.errors import UsageError
+
+if TYPE_CHECKING:
+    from launcher.config.loader import SpecLayers
+    from launcher.config.spec import RunSpec
 
 
 def run_command(
-    config: ConfigOpt,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="The run spec (YAML). With --resume RUN|CHECKPOINT it may be left out: the "
+            "run goes on with its own spec.",
+            show_default=False,
+        ),
+    ] = None,
     overrides: Overrides = None,
     accelerator: AcceleratorOpt = None,
     devices: DevicesOpt = None,
@@ -94,21 +107,15 @@ def run_command(
     """Train: launch one process per device, wrap the model, stream every replica's logs."""
 
     def launch() -> int:
-        from launcher.config.loader import load_cli_spec_and_sources
+        from launcher.config.loader import cli_layers
         from launcher.launch.nodes import resolve_nodes
 
         nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
-        # Its own mistakes are reported before torch is imported (seconds): spec_loader.
-        spec, sources = load_cli_spec_and_sources(
-            config,
-            overrides,
-            strict_compile,
-            accelerator=accelerator,
-            devices=devices,
-            strategy=strategy,
-            max_restarts=max_restarts,
-            stall_timeout=stall_timeout,
-        )
+        # Its own mistakes are reported before torch is imported (seconds): config.loader.
+        flags = {"accelerator": accelerator, "devices": devices, "strategy": strategy}
+        flags |= {"max_restarts": max_restarts, "stall_timeout": stall_timeout}
+        layers = cli_layers(config, overrides, strict_compile, **flags)
+        spec, sources = spec_given(layers, resume)
         check_recipe(spec, sources)  # a recipe that cannot load or take its arguments fails here
         from launcher.launch.execute import execute
         from launcher.launch.plan import make_plan
@@ -121,7 +128,37 @@ def run_command(
             debug=debug,
             nodes=nodes,
             sources=sources,
+            layers=layers,
         )
         return execute(plan)
 
     run_guarded(launch, debug)
+
+
+def spec_given(layers: SpecLayers, resume: str | None) -> tuple[RunSpec, dict[str, str]]:
+    """The spec the command line describes: its YAML file's, or without `--config` the spec
+    of the run `--resume` names; either way with its overrides and flags."""
+    from launcher.config.loader import spec_from_layers
+
+    if layers.config is not None:
+        return spec_from_layers(layers)
+    if resume is None:
+        raise UsageError(
+            "--config: required",
+            hint="Give the run's YAML: train --config run.yaml (or continue a run without "
+            "one: train --resume RUN_OR_CHECKPOINT_FOLDER).",
+        )
+    if resume in ("latest", "best"):
+        raise UsageError(
+            f"--resume {resume}: needs --config, whose run.name says which runs are this one's",
+            hint="Or give the run's folder, or one of its checkpoints: --resume runs/NAME/STAMP",
+        )
+    from launcher.checkpoint.format import read_meta
+    from launcher.checkpoint.selection import ResumeRequest, resume_point
+    from launcher.config.resume import spec_on_resume
+
+    checkpoint = resume_point(ResumeRequest(resume, Path.cwd(), ""))
+    assert checkpoint is not None
+    meta = read_meta(checkpoint)
+    resumed = spec_on_resume(meta["spec"], meta.get("config_file"), layers)
+    return resumed.spec, resumed.sources

@@ -6,8 +6,10 @@ where there is one, what was expected and what was given.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,18 @@ from launcher.errors import UsageError
 
 # Room for a message's own words around what it quotes.
 _MESSAGE_CHARS = 240
+
+
+@dataclass(frozen=True)
+class SpecLayers:
+    """What the user gave for a run, layer by layer, before they are merged: the YAML file as
+    read, then `key=value` overrides and flags (a resumed run merges them onto its own spec:
+    `launcher.config.resume`)."""
+
+    config: Path | None  # --config; None: a resume that gave none
+    yaml: dict[str, Any] | None  # the file's mapping, `recipe.source` made absolute
+    where: dict[str, str]  # {dotted key: its line in the file}
+    given: tuple[tuple[str, Any, str], ...] = ()  # (key, value, origin): overrides, then flags
 
 
 def load_cli_spec(
@@ -41,6 +55,17 @@ def load_cli_spec_and_sources(
     **flags: str | None,
 ) -> tuple[RunSpec, dict[str, str]]:
     """`load_cli_spec`, and where each given key came from (`launcher.config.sources`)."""
+    return spec_from_layers(cli_layers(config, overrides, strict_compile, **flags))
+
+
+def cli_layers(
+    config: Path | None,
+    overrides: list[str] | None = None,
+    strict_compile: bool = False,
+    **flags: str | None,
+) -> SpecLayers:
+    """The layers of the command line: `--config`'s file (None: none given), the overrides,
+    and the flags that set spec keys."""
     # Numbers and `null` are read as YAML, as in overrides; names stay strings.
     typed = ("devices", "max_restarts", "stall_timeout")
     given: dict[str, tuple[str, object]] = {}
@@ -52,7 +77,46 @@ def load_cli_spec_and_sources(
         given[f"launch.{key}"] = (flag, value)
     if strict_compile:
         given["xla.strict_compile"] = ("--strict-compile", True)
-    return load_spec_and_sources(config, overrides or [], flags=given)
+    return read_layers(config, overrides, given)
+
+
+def read_layers(
+    path: Path | None,
+    overrides: list[str] | None = None,
+    flags: dict[str, tuple[str, Any]] | None = None,
+) -> SpecLayers:
+    """The YAML file at `path` (none: None) and the overrides and `flags` ({dotted key: (flag
+    name, value)}) as layers; a path in the file is relative to the file, one given on the
+    command line to the working directory."""
+    raw, where = read_yaml_file(path) if path is not None else (None, {})
+    if path is not None:
+        _require_mapping(raw, source=str(path))  # before overrides are set into it
+        _absolutize_recipe(raw, path.parent)
+    given = [(*parse_override(text), f"override {clip(text)}") for text in overrides or []]
+    given += [(key, value, flag) for key, (flag, value) in (flags or {}).items()]
+    given = [(key, _absolute_recipe(key, value), origin) for key, value, origin in given]
+    return SpecLayers(path, raw, where, tuple(given))
+
+
+def spec_from_layers(
+    layers: SpecLayers, torch_checks: bool = True
+) -> tuple[RunSpec, dict[str, str]]:
+    """The spec, and where each key that was given came from: {dotted key: "x.yaml:12" |
+    "override k=v (over x.yaml:12)" | "--devices"} (`launcher.config.sources` shows them).
+    Raises `UsageError` listing every problem. Precedence: flags > overrides > YAML.
+    `torch_checks=False` skips the checks that import torch (optimizer names)."""
+    path = layers.config
+    raw = copy.deepcopy(layers.yaml) if layers.yaml is not None else {}
+    where = dict(layers.where)
+    sources = {key: f"{path}:{line.removeprefix('line ')}" for key, line in where.items()}
+    for key, value, origin in layers.given:
+        _set_dotted(raw, key, value, origin=origin)
+        where[key] = origin
+        over = sources.get(key)
+        sources[key] = f"{origin} (over {over})" if over else origin
+    source = str(path) if path is not None else "the command line"
+    spec = validate_spec(raw, source=source, where=where, torch_checks=torch_checks)
+    return spec, sources
 
 
 def load_spec_and_sources(
@@ -61,26 +125,8 @@ def load_spec_and_sources(
     flags: dict[str, tuple[str, Any]] | None = None,
     torch_checks: bool = True,
 ) -> tuple[RunSpec, dict[str, str]]:
-    """Read, override and validate a spec, and where each key that was given came from: {dotted key: "x.yaml:12" |
-    "override k=v (over x.yaml:12)" | "--devices"} (`launcher.config.sources` shows them).
-    Raises `UsageError` listing every problem. Precedence: `flags` ({dotted key: (flag name,
-    value)}) > `overrides` (`key=value`) > YAML. `torch_checks=False` skips the checks that
-    import torch (optimizer names)."""
-    raw, where = read_yaml_file(path)
-    _require_mapping(raw, source=str(path))  # before overrides are set into it
-    _absolutize_recipe(raw, path.parent)
-    sources = {key: f"{path}:{line.removeprefix('line ')}" for key, line in where.items()}
-    settings = [(*parse_override(text), f"override {clip(text)}") for text in overrides or []]
-    settings += [(key, value, flag) for key, (flag, value) in (flags or {}).items()]
-    for key, value, origin in settings:
-        _set_dotted(raw, key, value, origin=origin)
-        where[key] = origin
-        over = sources.get(key)
-        sources[key] = f"{origin} (over {over})" if over else origin
-        if key == "recipe.source":
-            _absolutize_recipe(raw, Path.cwd())
-    spec = validate_spec(raw, source=str(path), where=where, torch_checks=torch_checks)
-    return spec, sources
+    """Reads, overrides and validates a spec (`spec_from_layers`)."""
+    return spec_from_layers(read_layers(path, overrides, flags), torch_checks)
 
 
 def validate_spec(
@@ -126,6 +172,13 @@ def spec_to_yaml(spec: RunSpec) -> str:
 def _require_mapping(raw: Any, source: str) -> None:
     if not isinstance(raw, dict):
         raise UsageError(f"{source}: expected a mapping of sections (run, launch, recipe, …)")
+
+
+def _absolute_recipe(key: str, value: Any) -> Any:
+    """A recipe file given on the command line, relative to the working directory."""
+    if key == "recipe.source" and isinstance(value, str) and value.endswith(".py"):
+        return str((Path.cwd() / value).resolve())
+    return value
 
 
 def _absolutize_recipe(raw: Any, base: Path) -> None:

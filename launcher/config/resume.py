@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from launcher.config.loader import SpecLayers, validate_spec
 from launcher.config.section import Section
-from launcher.config.sources import changed_keys
+from launcher.config.sources import changed_keys, set_keys
 from launcher.config.spec import RunSpec
 
 _MISSING = object()  # a key the file does not set
@@ -74,7 +74,7 @@ def spec_on_resume(
         Change(key, was, _value(spec, key), _origin_of(key, origins))
         for key, was in changed_keys(before, spec).items()
     ]
-    kept = {key: "as the run had it" for key in field_keys(RunSpec) if key not in origins}
+    kept = {key: "as the run had it" for key in set_keys(spec) if key not in origins}
     return ResumedSpec(spec, {**kept, **origins}, changes, now)
 
 

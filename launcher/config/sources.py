@@ -49,6 +49,11 @@ def explain_text(spec: RunSpec, sources: Mapping[str, str]) -> str:
     return "\n".join(lines)
 
 
+def set_keys(spec: BaseModel) -> set[str]:
+    """The dotted keys whose value is not their default (or that have none)."""
+    return {key for key, value, default in _leaves(spec, "") if value != default}
+
+
 def changed_keys(given: BaseModel, resolved: BaseModel) -> dict[str, Any]:
     """{dotted key: its value in `given`} for each key whose value `resolved` changed."""
     before = {key: value for key, value, _ in _leaves(given, "")}

@@ -70,6 +70,8 @@ def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, Ending]:
 def _announce(plan: LaunchPlan, console: Console) -> None:
     for note in plan.notes:
         console.print(Text("warning: ", style="bold yellow") + Text(note), soft_wrap=True)
+    for change in plan.changes:
+        console.print(Text(change), soft_wrap=True, highlight=False)
     what = (
         f"resuming {plan.spec.run.name} from {plan.resume_from}"
         if plan.resume_from

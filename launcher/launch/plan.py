@@ -8,8 +8,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from launcher.checkpoint.format import read_meta
 from launcher.checkpoint.selection import ResumeRequest, resume_point
+from launcher.config.loader import SpecLayers
+from launcher.config.resume import ResumedSpec, spec_on_resume
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
@@ -38,6 +42,10 @@ class LaunchPlan:
     nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
     # {dotted key: where its value came from}: spec.yaml's comments (launcher.config.sources)
     sources: dict[str, str] = field(default_factory=dict)
+    changes: tuple[str, ...] = ()  # a resume's changes to the run's spec, said before it starts
+    # The YAML file as this launch read it: each checkpoint records it, so that the next resume
+    # tells the keys edited since from those that were not (launcher.config.resume).
+    config_file: dict[str, Any] | None = None
 
     @property
     def nproc(self) -> int:
@@ -67,6 +75,7 @@ class LaunchPlan:
             rank_offset=self.rank_offset,
             resume_from=self.resume_from,
             compile_cache=self._compile_cache(),
+            config_file=self.config_file,
         )
 
     def _compile_cache(self) -> Path | None:
@@ -116,8 +125,18 @@ def make_plan(
     debug: bool = False,
     nodes: Nodes | None = None,
     sources: dict[str, str] | None = None,
+    layers: SpecLayers | None = None,  # what the user gave: a resume merges it onto the run's
 ) -> LaunchPlan:
     nodes = nodes or Nodes()
+    run_dir, resume_from = _run_and_resume(spec, nodes, run_dir, resume)
+    config_file = layers.yaml if layers is not None else None
+    changes: tuple[str, ...] = ()
+    if resume_from is not None and layers is not None:
+        resumed = _resumed(resume_from, layers)
+        spec, sources, config_file = resumed.spec, resumed.sources, resumed.yaml
+        changes = tuple(change.describe() for change in resumed.changes)
+    if resume_from is not None:
+        _check_steps_left(spec, resume_from)
     # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
     # exactly for the strategies that run on nothing else.
     tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
@@ -135,7 +154,6 @@ def make_plan(
     sources = _with_resolved(sources or {}, spec, resolved)
     spec = resolved
     on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
-    run_dir, resume_from = _run_and_resume(spec, nodes, run_dir, resume)
     try:
         show = parse_ranks(ranks) if ranks else None
     except ValueError as exc:
@@ -153,7 +171,37 @@ def make_plan(
         host_index=host_index(os.environ) if on_tpu else 0,
         nodes=nodes,
         sources=sources,
+        changes=changes,
+        config_file=config_file,
     )
+
+
+def _resumed(resume_from: Path, layers: SpecLayers) -> ResumedSpec:
+    """The spec of a resumed run: the checkpoint's own, with what the user changes now; a
+    change no resume can take is refused."""
+    meta = read_meta(resume_from)
+    resumed = spec_on_resume(meta["spec"], meta.get("config_file"), layers)
+    for change in resumed.changes:
+        if change.key == "recipe.source":
+            raise UsageError(
+                f"recipe.source ({change.origin}): {resume_from} was trained by "
+                f"{change.before}; a resumed run continues with its own recipe",
+                hint="Start a new run without --resume to train another recipe.",
+            )
+    return resumed
+
+
+def _check_steps_left(spec: RunSpec, resume_from: Path) -> None:
+    """A resumed run must have steps left to train: one that would start past its end is
+    refused before anything starts."""
+    step = read_meta(resume_from).get("step")
+    end = spec.train.max_steps
+    if isinstance(step, int) and end is not None and end <= step:
+        raise UsageError(
+            f"train.max_steps={end}: the checkpoint it resumes ({resume_from}) is at step "
+            f"{step} already; nothing is left to train",
+            hint=f"Raise train.max_steps past {step} (e.g. train.max_steps={2 * step}).",
+        )
 
 
 def _check_options(spec: RunSpec, accelerator: str) -> None:

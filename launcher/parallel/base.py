@@ -93,6 +93,11 @@ class Strategy(ABC):
         instead of stalling the loop here."""
         receive(values.tolist())
 
+    def agree_buffers(self, model: nn.Module) -> None:  # noqa: B027 (an optional hook)
+        """Makes every replica's buffers (BatchNorm's running statistics) rank 0's, before
+        anything reads them: an evaluation, a save. Replicas update their own from their own
+        batches; a backend that keeps them equal itself leaves this as it is."""
+
     def phase(self, name: str, step: int) -> contextlib.AbstractContextManager[None]:
         """Around work outside the training step (`eval`, the `check` before a save): XLA counts the graphs it
         compiles there apart from the step's, and only the first time a phase runs may it

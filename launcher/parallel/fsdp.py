@@ -58,36 +58,40 @@ class FSDPStrategy(TorchDistributedStrategy):
                 "(fsdp.cpu_offload or fsdp.param_dtype keep FSDP)"
             )
             return self._plain(init.build(factory))
+        if self.options.init == "cpu":  # built once, on CPU
+            model = init.build(factory)
+            self.say(shard_units(model, self.options.wrap).describe(model))
+            return self._build_on_cpu(model, "fsdp.init: cpu")
         with torch.device("meta"):
             model = factory()
         self.say(shard_units(model, self.options.wrap).describe(model))
-        full_bytes = local_bytes(itertools.chain(model.parameters(), model.buffers()))
         choice, exact, name = self.options.init, init.exact(model), type(model).__name__
-        if choice == "cpu" or (choice == "auto" and exact is None):
+        if choice == "auto" and exact is None:
+            # Its constructors define its weights: it is built again, on CPU (fsdp.init: cpu
+            # builds it once).
             why = (
                 f"fsdp.init: auto: {name} has no explicit initialisation (an init_weights of "
                 "the recipe or the model, or a Hugging Face model's), so its constructors define "
                 "its weights"
-                if choice == "auto"
-                else "fsdp.init: cpu"
             )
-            return self._build_on_cpu(factory, init, full_bytes, why)
-        if exact is None:
-            self.say(
-                f"fsdp.init: meta: {name} has no explicit initialisation, so each module's "
-                "reset_parameters() initialises its shards: not proven equal to a plain build "
-                "(ddp), whose constructors may draw otherwise; fsdp.init: cpu builds it exactly"
-            )
-        else:
-            self.say(f"fsdp.init: {choice}: {exact} initialises each rank's shards (meta device)")
+            return self._build_on_cpu(init.build(factory), why)
         try:
-            return self._materialise(model, init)
+            model = self._materialise(model, init)
         except UnsetByInit as unset:
             if choice != "auto":
                 raise
             left = ", ".join(unset.names[:4]) + (" ..." if len(unset.names) > 4 else "")
             why = f"fsdp.init: auto: {exact} leaves {left} unset on the meta device"
-            return self._build_on_cpu(factory, init, full_bytes, why)
+            return self._build_on_cpu(init.build(factory), why)
+        if exact is None:
+            self.say(
+                f"fsdp.init: meta: {name} has no explicit initialisation, so each module's "
+                "reset_parameters() initialised its shards: not proven equal to a plain build "
+                "(ddp), whose constructors may draw otherwise; fsdp.init: cpu builds it exactly"
+            )
+        else:
+            self.say(f"fsdp.init: {choice}: {exact} initialised each rank's shards (meta device)")
+        return model
 
     def _materialise(self, model: nn.Module, init: WeightInit) -> nn.Module:
         self.wrap_model(model)
@@ -96,9 +100,9 @@ class FSDPStrategy(TorchDistributedStrategy):
         initialize(model, init)
         return model
 
-    def _build_on_cpu(
-        self, factory: Callable[[], nn.Module], init: WeightInit, full_bytes: int, why: str
-    ) -> nn.Module:
+    def _build_on_cpu(self, model: nn.Module, why: str) -> nn.Module:
+        """Shards `model`, built whole on CPU in every process, as ddp builds it."""
+        full_bytes = local_bytes(itertools.chain(model.parameters(), model.buffers()))
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torch.distributed's own
         self.say(
             f"{why}: every process builds the whole model on CPU as ddp does, then shards it: "
@@ -107,7 +111,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         )
         # fully_shard moves each unit to the mesh's device as it shards it (offloaded shards
         # go back to CPU), so the device never holds more than one whole unit.
-        return self.wrap_model(init.build(factory))
+        return self.wrap_model(model)
 
     def _needs_fsdp_alone(self) -> bool:
         """What only FSDP does, even for one process: offloading, and gathering parameters
@@ -115,6 +119,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         return self.options.cpu_offload or self.options.param_dtype is not None
 
     def _plain(self, model: nn.Module) -> nn.Module:
+        self.check_layers(model)
         model.to(self.device)
         units = shard_units(model, self.options.wrap).modules
         self._checkpoint_activations(units)
@@ -129,6 +134,7 @@ class FSDPStrategy(TorchDistributedStrategy):
                 checkpoint(unit)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        self.check_layers(model)
         units = shard_units(model, self.options.wrap).modules
         kwargs: dict[str, Any] = {
             # The run's device, also where it is not torch's default accelerator (a CPU run

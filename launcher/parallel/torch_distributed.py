@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher.errors import UsageError
 from launcher.parallel import regional_compile
-from launcher.parallel.base import Strategy, gradient_norm
+from launcher.parallel.base import Strategy, gradient_norm, local_shard
 from launcher.parallel.precision import MixedPrecision
 
 
@@ -62,6 +63,19 @@ class TorchDistributedStrategy(Strategy):
         self.precision = MixedPrecision(self.precision_name, self.device.type)
         # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
         self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def check_layers(self, model: nn.Module) -> None:
+        """Layers torch cannot run on this run's device, refused in one line, before a
+        traceback from inside the first forward would say it."""
+        if self.device.type == "cpu" and any(
+            isinstance(m, nn.SyncBatchNorm) for m in model.modules()
+        ):
+            raise UsageError(
+                "recipe: the model has SyncBatchNorm layers, which torch runs on CUDA only; this "
+                "run is on CPU",
+                hint="On CPU use BatchNorm (every rank then takes rank 0's running statistics "
+                "before an evaluation or a save), or run on GPUs.",
+            )
 
     def compile_units(self, model: nn.Module, units: list[nn.Module]) -> None:
         """`train.compile`: compiles `units` (the model's repeated blocks) in place, or the
@@ -122,6 +136,15 @@ class TorchDistributedStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def agree_buffers(self, model: nn.Module) -> None:
+        # Rank 0's, as DDP's rule is: DDP takes them at each forward, FSDP2 never does, and a
+        # checkpoint keeps whichever rank's DCP picks. So a run's evaluations, checkpoints and
+        # exports do not depend on its strategy, nor on where it was resumed.
+        if self.world_size == 1:
+            return
+        for buffer in model.buffers():
+            dist.broadcast(local_shard(buffer), src=0)
 
     def control_group(self) -> Any:
         return self._control

@@ -54,6 +54,12 @@ class XLAStrategy(XLAStrategyBase):
         if self.world_size > 1:
             xm.rendezvous("launcher")
 
+    def agree_buffers(self, model: nn.Module) -> None:
+        # Rank 0's, as the torch.distributed strategies' (replicas update their own).
+        buffers = list(model.buffers())
+        if self.world_size > 1 and buffers:
+            xm.collective_broadcast(buffers)
+
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # Every replica holds the same values: DCP writes them once, from host copies.
         return tree_map(_to_cpu, super().state_dict(model, optimizer))

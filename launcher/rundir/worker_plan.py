@@ -33,9 +33,11 @@ class WorkerPlan:
     xla_spawn: str | None = None
     rank_offset: int = 0  # a TPU pod host's first global rank: its agent numbers from 0
     # The checkpoint the run's first attempt resumes from (the resume rule decides for every
-    # attempt: `launcher.checkpoint.checkpointer.resume_point`).
+    # attempt: `launcher.checkpoint.selection.resume_point`).
     resume_from: Path | None = None
     compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
+    # The YAML file as this launch read it: every checkpoint records it for the next resume.
+    config_file: dict[str, Any] | None = None
 
     def run_spec(self) -> RunSpec:
         from launcher.config.spec import RunSpec

@@ -78,6 +78,7 @@ class Evaluator:
         model.eval()
         try:
             with strategy.phase("eval", step), torch.no_grad():
+                strategy.agree_buffers(model)
                 sums, count = self._accumulate(model, alive)
                 # The last batch's work runs on its own: on XLA, replicas whose last batches
                 # differ in size would otherwise run different programs around one all-reduce.

@@ -41,6 +41,7 @@ class Trainer:
         run_dir: Path,
         attempt: int = 0,  # restarts of the run so far (torch.distributed.elastic's count)
         resume_from: Path | None = None,  # the plan's choice; `resume_point` decides
+        config_file: dict[str, Any] | None = None,  # the YAML file as read, for checkpoints
     ) -> None:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
@@ -70,7 +71,9 @@ class Trainer:
         self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
         micro_batches = accum / strategy.devices_per_process  # per step and device
         self.speed = Speed(strategy.device, spec.train.precision, spec.train.tf32, micro_batches)
-        self.state = TrainState(strategy, self.scheduler, recipe, spec, self.feed, self.speed)
+        self.state = TrainState(
+            strategy, self.scheduler, recipe, spec, self.feed, self.speed, config_file
+        )
         self.evaluator = Evaluator(recipe, spec, strategy) if spec.eval.every_n_steps else None
         self.report = Reporter(
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
@@ -286,6 +289,8 @@ class Trainer:
     def _check_finite(self) -> None:
         """Collective: a rank that saw a non-finite value stops every rank, unsaved."""
         with self.strategy.phase("check", self.progress.step):
+            # Before every save (and the end): what the checkpoint and an export keep.
+            self.strategy.agree_buffers(self.model)
             bad = self.state.nonfinite.check_now(self.model)
         if self.strategy.any_rank(bad):
             self._stop_nonfinite()

@@ -260,7 +260,9 @@ def _train(plan: WorkerPlan) -> int:
         strategy.setup()
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         recipe = load_recipe(spec.recipe.source)
-        Trainer(spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from).fit()
+        Trainer(
+            spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
+        ).fit()
         strategy.barrier()  # nobody leaves the group while a peer still talks to it
         strategy.teardown()
         return 0

@@ -23,8 +23,9 @@ _NONE = -1  # no bad step seen
 
 
 class NonFiniteWatch:
-    def __init__(self, policy: str, strategy: Strategy) -> None:
+    def __init__(self, policy: str, strategy: Strategy, lr: float = 1e-3) -> None:
         self.policy, self.strategy = policy, strategy
+        self.lr = lr  # optim.lr: the advice after a stop suggests a lower one
         self.skipped = 0  # updates dropped (`skip`), over the whole run
         self.in_a_row = 0
         self.last_skip = ""
@@ -83,13 +84,17 @@ class NonFiniteWatch:
             what = f"{self.in_a_row} updates in a row skipped, the last at {self.last_skip}"
         else:
             what = _describe(seen)
-        where = (
-            f"resume from the newest finite checkpoint, {newest} (with a lower optim.lr, say)"
-            if newest
-            else "no checkpoint was saved before it"
-        )
+        if newest:
+            # A command to paste: the run's own spec, from its newest finite checkpoint, at a
+            # tenth of the rate (a guess to start from; any optim.lr=... works).
+            where = (
+                "resume from the newest finite checkpoint at a lower learning rate: "
+                f"train --resume {newest} optim.lr={self.lr / 10:g}"
+            )
+        else:
+            where = "no checkpoint was saved before it"
         return RunError(
-            f"non-finite values: {what}. Stopped ({self.policy} mode); {where}.",
+            f"non-finite values: {what}. Stopped ({self.policy} mode); {where}",
             hint="train.on_nonfinite: skip drops such updates instead of stopping.",
         )
 

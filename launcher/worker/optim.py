@@ -60,3 +60,18 @@ def build_scheduler(
     optim: OptimSection, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(optim, step, total_steps))
+
+
+def apply_after_load(
+    optim: OptimSection, optimizer: torch.optim.Optimizer, scheduler: LambdaLR
+) -> None:
+    """After a checkpoint is loaded: the spec's learning rate and optimizer options win over
+    those the checkpoint saved, as a resume that changes them means (`optim.lr=1e-6` after a
+    NaN). The schedule goes on from its step, now with the spec's length and base rate; where
+    nothing changed, every value is the one the checkpoint held, bit for bit."""
+    for group in optimizer.param_groups:
+        group.update({key: value for key, value in optim.kwargs.items() if key in group})
+        group["initial_lr"] = optim.lr
+    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["lr"] = optim.lr * factor(scheduler.last_epoch)

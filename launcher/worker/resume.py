@@ -8,6 +8,7 @@ from pathlib import Path
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
+from launcher.worker.optim import apply_after_load
 from launcher.worker.state import TrainState
 
 
@@ -31,6 +32,7 @@ def restore(
             print(text, flush=True)
 
     same_world = checkpointer.load(path)
+    apply_after_load(spec.optim, checkpointer.model.optimizer, state.scheduler)
     for note in state.notes:
         say(note)
     if state.best is not None:

@@ -37,9 +37,13 @@ class TrainState:
         spec: RunSpec,
         feed: Any,
         speed: Speed,
+        config_file: dict[str, Any] | None = None,
     ) -> None:
         self.strategy, self.scheduler, self.recipe = strategy, scheduler, recipe
         self.speed = speed  # the FLOP count: a resumed run's first step needs no recount
+        # The YAML file as the launch read it, for the record: the next resume compares it with
+        # the file as it is then (`launcher.config.resume`); never loaded.
+        self.config_file = config_file
         self.feed = feed  # where the train data stands (a stream's positions; launcher.worker.data)
         self.notes: list[str] = []  # for the user, after a load
         self.spec = spec  # saved for the record (what made this checkpoint); never loaded
@@ -48,7 +52,7 @@ class TrainState:
         ckpt, early = spec.checkpoint, spec.early_stop
         self.best = BestCheckpoints(ckpt) if ckpt.monitor else None
         self.early = EarlyStopping(early) if early.monitor else None
-        self.nonfinite = NonFiniteWatch(spec.train.on_nonfinite, strategy)
+        self.nonfinite = NonFiniteWatch(spec.train.on_nonfinite, strategy, spec.optim.lr)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class TrainState:
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.strategy.world_size,
             "spec": self.spec.model_dump(mode="json", by_alias=True),
+            "config_file": self.config_file,
             "best": self.best.state_dict() if self.best else None,
             "early_stop": self.early.state_dict() if self.early else None,
             "nonfinite": self.nonfinite.state_dict(),

@@ -177,3 +177,12 @@ def test_the_launcher_and_its_workers_start_from_the_same_checkpoint(tmp_path: P
     assert restart, output
     # The restarted attempt's choice is the rule's, given the run folder as it was then.
     assert Path(restart.group(1)) == RunLayout(expected.parent.parent).checkpoint(6)
+
+
+def test_the_rule_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    check = "import sys, launcher.checkpoint.selection; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr

@@ -5,6 +5,8 @@ the bad updates and stops only after 10 in a row."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,7 @@ def test_stop_names_the_step_the_rank_and_the_last_finite_checkpoint(tmp_path: P
     run = only_run_dir(tmp_path / "runs")
     finite = run / "checkpoints" / "step-00000020"
     assert "non-finite values: step 30: the loss on rank 1 and the gradient norm are" in output
-    assert f"resume from the newest finite checkpoint, {finite}" in output
+    assert f"newest finite checkpoint at a lower learning rate: train --resume {finite}" in output
     assert "Traceback" not in output
     # No checkpoint after the bad step was written; keep_last: 1 left the finite one.
     assert _checkpoints(run) == ["step-00000020"]
@@ -106,4 +108,50 @@ def test_skip_stops_after_ten_skips_in_a_row(tmp_path: Path) -> None:
     run = only_run_dir(tmp_path / "runs")
     # Step 30's own update was dropped, so its weights (saved) are finite; 40 is never reached.
     assert _checkpoints(run) == ["step-00000030"]
-    assert f"newest finite checkpoint, {run / 'checkpoints' / 'step-00000030'}" in output
+    assert f"train --resume {run / 'checkpoints' / 'step-00000030'} optim.lr=" in output
+
+
+DIVERGING_RECIPE = """
+import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Linear(4, 1, bias=False)
+
+
+def build_dataset(split):
+    # Inputs of scale 0.1: SGD is stable below lr 100, and at lr 400 the loss grows 49-fold a
+    # step, to infinity near step 23.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 4, generator=g) * 0.1
+    return torch.utils.data.TensorDataset(x, torch.randn(512, 1, generator=g) * 0.1)
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_advice_after_a_stop_is_a_command_that_trains_on(tmp_path: Path) -> None:
+    (tmp_path / "diverging.py").write_text(DIVERGING_RECIPE)
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        recipe={"source": str(tmp_path / "diverging.py"), "dataset": {}},
+        optim={"name": "SGD", "lr": 400},
+        train={"max_steps": 40, "log_every": 1},
+        checkpoint={"every_n_steps": 5},
+    )
+    stopped = run_train(["--config", str(spec)], cwd=tmp_path)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 1, output
+    command = re.search(r"train --resume \S+ optim\.lr=\S+", output)
+    assert command, output
+    assert command.group(0).endswith("optim.lr=40")  # a tenth of the rate
+    resumed = run_train(command.group(0).split()[1:], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "changed on resume: optim.lr 400.0 -> 40.0" in resumed.stdout
+    losses = [r["loss"] for r in metrics_of(only_run_dir(tmp_path / "runs"))]
+    assert len(losses) == 40 and all(math.isfinite(loss) for loss in losses)

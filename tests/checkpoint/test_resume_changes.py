@@ -1,0 +1,159 @@
+"""A resume runs what the user asks for now: the run's own spec (its flags and overrides
+included), changed only by what is given again or edited in the YAML since, every change said
+before anything starts and then truly applied; and what no resume can take, refused."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.config.loader import read_layers
+from launcher.config.resume import spec_on_resume
+from launcher.config.spec import RunSpec
+from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
+
+BASE = {
+    "run": {"name": "t"},
+    "launch": {"accelerator": "cpu", "devices": 2, "strategy": "ddp"},
+    "recipe": {"source": "/r.py"},
+    "optim": {"lr": 0.05},
+    "train": {"max_steps": 6},
+}
+
+
+def _recorded(**changes: dict) -> dict:
+    """A checkpoint's spec: the resolved spec of a run started from BASE (with `changes`)."""
+    raw = yaml.safe_load(yaml.safe_dump(BASE))
+    for section, values in changes.items():
+        raw.setdefault(section, {}).update(values)
+    return RunSpec.model_validate(raw).model_dump(mode="json", by_alias=True)
+
+
+def _layers(tmp_path: Path, yaml_text: str, overrides: list[str] | None = None):  # type: ignore[no-untyped-def]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text)
+    return read_layers(path, overrides)
+
+
+def _yaml(**changes: dict) -> str:
+    raw = yaml.safe_load(yaml.safe_dump(BASE))
+    for section, values in changes.items():
+        raw.setdefault(section, {}).update(values)
+    return yaml.safe_dump(raw)
+
+
+def test_a_resume_that_changes_nothing_keeps_the_runs_flags(tmp_path: Path) -> None:
+    # Started with --strategy fsdp over a YAML that says ddp: the run is fsdp.
+    recorded = _recorded(launch={"strategy": "fsdp"})
+    then = _layers(tmp_path, _yaml()).yaml
+    resumed = spec_on_resume(recorded, then, _layers(tmp_path, _yaml()))
+    assert resumed.spec.launch.strategy == "fsdp" and resumed.changes == []
+
+
+def test_a_key_given_now_changes_and_says_where_from(tmp_path: Path) -> None:
+    then = _layers(tmp_path, _yaml()).yaml
+    layers = _layers(tmp_path, _yaml(), ["optim.lr=1e-6"])
+    resumed = spec_on_resume(_recorded(), then, layers)
+    assert resumed.spec.optim.lr == 1e-6
+    [change] = resumed.changes
+    assert change.describe() == (
+        "changed on resume: optim.lr 0.05 -> 1.0e-06 (override optim.lr=1e-6)"
+    )
+    assert resumed.sources["optim.lr"] == "override optim.lr=1e-6"
+    assert resumed.sources["run.name"] == "as the run had it"  # not at its default
+    assert "launch.strategy" not in resumed.sources  # at its default: no comment
+
+
+def test_a_key_edited_in_the_yaml_since_changes(tmp_path: Path) -> None:
+    then = _layers(tmp_path, _yaml()).yaml
+    now = _layers(tmp_path, _yaml(data={"batch_size": 64}, optim={"lr": 0.01}))
+    resumed = spec_on_resume(_recorded(), then, now)
+    assert (resumed.spec.data.batch_size, resumed.spec.optim.lr) == (64, 0.01)
+    assert {c.key: c.origin for c in resumed.changes} == {
+        "data.batch_size": f"edited in {tmp_path / 'run.yaml'}",
+        "optim.lr": f"edited in {tmp_path / 'run.yaml'}",
+    }
+
+
+def test_a_key_removed_from_the_yaml_takes_its_default(tmp_path: Path) -> None:
+    then = _layers(tmp_path, _yaml(data={"batch_size": 64})).yaml
+    resumed = spec_on_resume(_recorded(data={"batch_size": 64}), then, _layers(tmp_path, _yaml()))
+    assert resumed.spec.data.batch_size == 32  # the default
+
+
+def test_an_older_checkpoint_changes_only_by_the_command_line(tmp_path: Path) -> None:
+    # No record of the YAML as it was: nothing in it counts as edited.
+    layers = _layers(tmp_path, _yaml(optim={"lr": 0.5}), ["train.max_steps=9"])
+    resumed = spec_on_resume(_recorded(), None, layers)
+    assert (resumed.spec.optim.lr, resumed.spec.train.max_steps) == (0.05, 9)
+
+
+def test_a_bad_value_given_on_resume_is_refused_naming_it(tmp_path: Path) -> None:
+    from launcher.errors import UsageError
+
+    then = _layers(tmp_path, _yaml()).yaml
+    with pytest.raises(UsageError) as info:
+        spec_on_resume(_recorded(), then, _layers(tmp_path, _yaml(), ["optim.lr=fast"]))
+    assert "optim.lr (override optim.lr=fast): expected a number" in info.value.render()
+
+
+def _first_run(tmp_path: Path, *flags: str) -> tuple[Path, Path]:
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        optim={"name": "SGD", "lr": 0.05},
+        train={"max_steps": 4, "log_every": 1},
+        checkpoint={"every_n_steps": 2},
+    )
+    first = run_train(["--config", str(spec), *flags], cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    return spec, only_run_dir(tmp_path / "runs")
+
+
+@pytest.mark.timeout(240)
+def test_an_lr_given_on_resume_is_announced_and_applied(tmp_path: Path) -> None:
+    spec, run = _first_run(tmp_path)
+    resumed = run_train(
+        ["--config", str(spec), "--resume", "latest", "optim.lr=1e-6", "train.max_steps=6"],
+        cwd=tmp_path,
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert "changed on resume: optim.lr 0.05 -> 1.0e-06 (override optim.lr=1e-6)" in output
+    lrs = {r["step"]: r["lr"] for r in metrics_of(run) if "lr" in r}
+    assert lrs == {1: 0.05, 2: 0.05, 3: 0.05, 4: 0.05, 5: 1e-6, 6: 1e-6}
+    assert "lr: 1.0e-06  # override optim.lr=1e-6" in (run / "spec.resume-1.yaml").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_keeps_a_flag_given_strategy_and_needs_no_config(tmp_path: Path) -> None:
+    spec, run = _first_run(tmp_path, "--strategy", "fsdp")
+    resumed = run_train(
+        ["--config", str(spec), "--resume", "latest", "train.max_steps=6"], tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "strategy fsdp" in resumed.stdout and "fsdp on 2 x cpu" in resumed.stdout
+    # The run's own folder is enough: its spec comes from its checkpoint.
+    again = run_train(["--resume", str(run), "train.max_steps=8"], tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert re.search(r"resuming t from \S+step-00000006: 2 x cpu, strategy fsdp", again.stdout)
+    assert "resumed at step 6" in again.stdout and "step 8/8" in again.stdout
+
+
+@pytest.mark.timeout(240)
+def test_what_no_resume_can_take_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    spec, run = _first_run(tmp_path)
+    (tmp_path / "other.py").write_text(
+        (Path(__file__).parents[2] / "recipes" / "mlp.py").read_text()
+    )
+    other = run_train(
+        ["--config", str(spec), "--resume", "latest", "recipe.source=other.py"], tmp_path
+    )
+    usage_error(other, "recipe.source (override recipe.source=other.py)", "its own recipe")
+    past = run_train(["--config", str(spec), "--resume", "latest", "train.max_steps=3"], tmp_path)
+    usage_error(past, "train.max_steps=3", "at step 4 already")
+    no_config = run_train(["--resume", "latest"], tmp_path)
+    usage_error(no_config, "--resume latest: needs --config")
+    assert not list(run.glob("spec.resume-*"))  # nothing started

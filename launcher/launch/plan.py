@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.damage import refuse_damaged
 from launcher.checkpoint.format import read_meta
 from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.config.loader import SpecLayers
@@ -179,10 +180,11 @@ def make_plan(
 def _resumed(resume_from: Path, layers: SpecLayers) -> ResumedSpec:
     """The spec of a resumed run: the checkpoint's own, with what the user changes now; a
     change no resume can take is refused."""
+    refuse_damaged(resume_from)  # before anything is read from it
     meta = read_meta(resume_from)
     resumed = spec_on_resume(meta["spec"], meta.get("config_file"), layers)
     for change in resumed.changes:
-        if change.key == "recipe.source":
+        if change.key == "recipe.source" and _another_recipe(change.before, change.after):
             raise UsageError(
                 f"recipe.source ({change.origin}): {resume_from} was trained by "
                 f"{change.before}; a resumed run continues with its own recipe",
@@ -191,10 +193,22 @@ def _resumed(resume_from: Path, layers: SpecLayers) -> ResumedSpec:
     return resumed
 
 
+def _another_recipe(before: str, after: str) -> bool:
+    """Whether a resume names another recipe: another module, or a file of other contents (the
+    same recipe moved, or a checkout in another folder, is the same recipe)."""
+    old, new = Path(before), Path(after)
+    if not (before.endswith(".py") and after.endswith(".py")):
+        return before != after
+    return old.is_file() and new.is_file() and old.read_bytes() != new.read_bytes()
+
+
 def _check_steps_left(spec: RunSpec, resume_from: Path) -> None:
     """A resumed run must have steps left to train: one that would start past its end is
     refused before anything starts."""
-    step = read_meta(resume_from).get("step")
+    try:
+        step = read_meta(resume_from).get("step")
+    except (OSError, ValueError):  # a damaged meta.json: the damage check names it
+        return
     end = spec.train.max_steps
     if isinstance(step, int) and end is not None and end <= step:
         raise UsageError(

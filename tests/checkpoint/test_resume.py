@@ -246,6 +246,7 @@ def test_checkpoint_of_another_model_lists_the_mismatched_keys(tmp_path: Path) -
             "--run-dir",
             str(tmp_path / "b"),
             "recipe.model={hidden: 32, depth: 3}",
+            "train.max_steps=4",
         ],
         cwd=tmp_path,
     )

@@ -81,4 +81,4 @@ def test_a_nan_loss_on_xla(tmp_path: Path, policy: str) -> None:
     else:
         assert result.returncode == 1, output
         assert "non-finite values: step 30: the loss on rank 0" in output
-        assert f"finite checkpoint, {tmp_path / 'run' / 'checkpoints' / 'step-00000020'}" in output
+        assert f"train --resume {tmp_path / 'run' / 'checkpoints' / 'step-00000020'}" in output

@@ -17,11 +17,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 # A recipe that misbehaves on demand: $FAULT at micro-step $FAULT_AT (default 4) of rank
-# $FAULT_RANK (default 1): raise, sleep (hang), segv; or slow (every step sleeps 0.1 s), or
+# $FAULT_RANK (default 1): raise, sleep (hang), segv, flood (FLOOD_MB MiB of log, then raise),
+# flood-then-hang; or slow (every step sleeps 0.1 s), or
 # shrink (every rank, from that step on, drops one sample: a new shape). FAULT_OTHERS=sleep:
 # the other ranks sleep in that micro-step, outside any collective.
 FAULTY_RECIPE = """
-import ctypes, os, time
+import ctypes, os, sys, time
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -61,6 +62,12 @@ def loss(model, batch):
             time.sleep(3600)
         if FAULT == "segv":
             ctypes.string_at(0)
+        if FAULT.startswith("flood"):  # FLOOD_MB MiB of log, then raise or hang
+            for _ in range(int(os.environ.get("FLOOD_MB", "500")) * 1024):
+                sys.stderr.write("x" * 1023 + "\\n")
+            if FAULT == "flood-then-hang":
+                time.sleep(3600)
+            raise RuntimeError(f"boom on rank {os.environ['RANK']} after a flood")
     return nn.functional.mse_loss(model(x), y)
 """
 TRAIN = Path(sys.executable).parent / "train"
@@ -77,15 +84,14 @@ def start_train(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, **popen: object
 ) -> subprocess.Popen[str]:
     """`train ARGS` started and left running (finish it with finish_train)."""
-    return subprocess.Popen(
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    return subprocess.Popen(  # type: ignore[call-overload]
         [str(TRAIN), *args],
         cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "COLUMNS": "200", **(env or {})},
         start_new_session=True,
-        **popen,  # type: ignore[arg-type]
+        **{**streams, **popen},
     )
 
 
@@ -97,14 +103,43 @@ def finish_train(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        hung = _where_they_hang(proc.pid, cwd)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(
             f"train {' '.join(map(str, proc.args))} timed out after {timeout}s\n{out}\n{err}"
+            f"\n{hung}"
         )
     finally:
         _assert_no_leftovers(proc.pid, marker=str(cwd))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _where_they_hang(pid: int, cwd: Path) -> str:
+    """What a timed-out run's processes were doing: each one's state and kernel wait, and
+    each rank's Python stacks (faulthandler writes them into its log on SIGUSR2)."""
+    lines = []
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return ""
+    for p in tree:
+        try:
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text()
+            lines.append(
+                f"pid {p.pid} ({p.status()}, {p.num_threads()} threads, in {wchan}): "
+                + " ".join(p.cmdline())[:160]
+            )
+            if "launcher.worker.main" in p.cmdline() and p.ppid() != pid:
+                continue  # a DataLoader worker: a signal could end it
+            if "launcher.worker.main" in p.cmdline():
+                os.kill(p.pid, signal.SIGUSR2)
+        except (psutil.Error, OSError):
+            continue
+    time.sleep(1)
+    for log in sorted(cwd.rglob("logs/rank-*.log")):
+        lines += [f"--- the end of {log}", log.read_text(errors="replace")[-6000:]]
+    return "\n".join(lines)
 
 
 def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen[str]) -> int:
@@ -114,7 +149,7 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen[st
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"train ended early: {proc.communicate()}"
         parts = beat.read_text().split() if beat.exists() else []
-        if len(parts) == 3 and int(parts[0]) >= step:
+        if len(parts) == 4 and int(parts[0]) >= step:
             return int(parts[2])
         time.sleep(0.05)
     pytest.fail(f"rank {rank} did not reach step {step}")

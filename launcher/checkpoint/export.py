@@ -9,11 +9,13 @@ bare model's `state_dict`: `model.load_state_dict(torch.load(path), strict=True)
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +25,8 @@ from launcher.rundir.atomic import write_new
 from launcher.rundir.layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
 
 COMMAND = "train export"
+# Reads of a run's newest checkpoint, each one removed by the run while it was read.
+_ATTEMPTS = 5
 # The writer each accepted suffix gets.
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 _MODEL = "model."  # DCP's flattened keys of the state's "model" entry
@@ -60,8 +64,20 @@ class Exported:
 def export(source: Path, out: Path, *, best: bool = False) -> Exported:
     """Writes the model of the checkpoint `source` names to `out`, never overwriting it."""
     check_out(out)  # before reading anything: a wrong --out costs nothing
-    checkpoint, chosen = resolve_source(source, best=best)
-    state, skipped = load_model_state(checkpoint)
+    for attempt in range(1, _ATTEMPTS + 1):
+        checkpoint, chosen = resolve_source(source, best=best)
+        try:
+            state, skipped = load_model_state(checkpoint)
+            break
+        except UsageError:
+            # A running run that keeps few checkpoints may remove this one while it is read:
+            # its newest one is read then (a checkpoint named itself is not replaced).
+            if (
+                attempt == _ATTEMPTS
+                or checkpoint == source
+                or CheckpointFiles(checkpoint).is_complete
+            ):
+                raise
     write_state_dict(state, out)
     numel = sum(t.numel() for t in state.values())
     return Exported(checkpoint, out, len(state), numel, skipped, chosen)
@@ -119,10 +135,11 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[st
     # plain pickle, so an unsafe one must be refused before DCP sees it.
     saved = read_metadata(checkpoint, COMMAND).state_dict_metadata
     entries = {k: v for k, v in saved.items() if k.startswith(_MODEL)}
+    _check_sizes(entries, checkpoint)
     # Whole tensors at the saved (global) sizes: DCP fills each from every shard that
     # overlaps it, whatever world size and strategy wrote them.
     state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
+        key: torch.empty(md.size, dtype=md.properties.dtype)  # after _check_sizes
         for key, md in entries.items()
         if isinstance(md, TensorStorageMetadata)
     }
@@ -134,6 +151,25 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[st
     if len(bare) != len(state):
         raise UsageError(f"{COMMAND} {checkpoint}: two model keys differ only by a wrapper")
     return bare, [key.removeprefix(_MODEL) for key in skipped]
+
+
+def _check_sizes(entries: dict[str, Any], checkpoint: Path) -> None:
+    """The tensors .metadata claims must fit in the files beside it (DCP stores them raw): a
+    damaged or forged claim is refused before memory is allocated for it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    claimed = sum(
+        math.prod(md.size) * md.properties.dtype.itemsize
+        for md in entries.values()
+        if isinstance(md, TensorStorageMetadata)
+    )
+    held = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+    if claimed > held:
+        raise UsageError(
+            f"{COMMAND} {checkpoint}: its .metadata claims {_human_bytes(claimed)} of model "
+            f"tensors, more than its files hold ({_human_bytes(held)}): it is damaged",
+            hint="Export another checkpoint of the run.",
+        )
 
 
 def _fill(state: dict[str, torch.Tensor], checkpoint: Path) -> None:

@@ -56,7 +56,9 @@ def resume_point(asked: ResumeRequest | Path | None, run_dir: Path | None = None
 
 def _newest_of(output_dir: Path, name: str) -> Path:
     """The newest complete checkpoint of the runs of `name`, the newest run first."""
-    runs = sorted((output_dir / name).glob("*/"), key=lambda p: p.stat().st_mtime)
+    # A link is not a run of this name: it may lead anywhere, and a resume would write there.
+    folders = [p for p in (output_dir / name).glob("*/") if not p.is_symlink()]
+    runs = sorted(folders, key=lambda p: p.stat().st_mtime)
     found = [c for c in map(latest_complete, runs) if c is not None]
     if not found:
         raise UsageError(

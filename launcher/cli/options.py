@@ -17,6 +17,7 @@ from rich.text import Text
 from launcher.cli import interrupt
 from launcher.errors import LauncherError
 from launcher.launch.closed_output import LauncherConsole
+from launcher.safe_text import clean
 
 err = LauncherConsole(stderr=True, highlight=False, soft_wrap=True)
 
@@ -29,7 +30,8 @@ def run_guarded(fn: Callable[[], int], debug: bool) -> None:
     except LauncherError as exc:
         if debug:
             traceback.print_exc()
-        err.print(Text("error: ", style="bold red") + Text(exc.render()))
+        # Clean: a message may quote a file's contents or a folder's name (escape codes too).
+        err.print(Text("error: ", style="bold red") + Text(clean(exc.render())))
         code = exc.exit_code
     raise typer.Exit(code)
 

@@ -64,8 +64,10 @@ def validate_command(
 
             typer.echo(explain_text(spec, sources))
         from launcher.cli.recipe_check import dry_build
+        from launcher.launch.reaper import children_reaped
 
-        summary = dry_build(spec, sources.get("recipe.source", ""))
+        with children_reaped():  # what the recipe starts as it is imported and built
+            summary = dry_build(spec, sources.get("recipe.source", ""))
         typer.echo(f"{config}: ok · {summary}")  # the result: stdout, as --explain's table
         return 0
 
@@ -78,5 +80,7 @@ def check_recipe(spec: RunSpec, sources: dict[str, str]) -> None:
     `sources`: where each key came from, so that a missing file's error says what its path
     was relative to."""
     from launcher.cli.recipe_check import load_checked
+    from launcher.launch.reaper import children_reaped
 
-    load_checked(spec, sources.get("recipe.source", ""))
+    with children_reaped():  # a process the recipe starts as it is imported ends here
+        load_checked(spec, sources.get("recipe.source", ""))

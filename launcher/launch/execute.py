@@ -100,9 +100,12 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
             soft_wrap=True,
         )
         return Ending(outcome.exit_code_of_signal, True, outcome.signal_name)
+    if outcome.folder_gone:
+        return Ending(_folder_gone(plan, console), False, "the run folder was deleted")
     if outcome.stalls:
+        after = outcome.signal_name if outcome.signals else None
         return Ending(
-            failure_report.report_stall(outcome.stalls, plan, console), False, "a rank hung"
+            failure_report.report_stall(outcome.stalls, plan, console, after), False, "a rank hung"
         )
     error = outcome.error
     if isinstance(error, ChildFailedError):
@@ -123,6 +126,18 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
         return Ending(_stopped(outcome, plan, console), True, reason)
     console.print(f"finished: {plan.run_dir}", highlight=False, soft_wrap=True)
     return Ending(0)
+
+
+def _folder_gone(plan: LaunchPlan, console: Console) -> int:
+    latest = plan.layout.latest_complete()
+    said = (
+        f"stopped: the run folder was deleted or moved; saved {latest} into a new one. "
+        f"Continue with: --resume {plan.run_dir}"
+        if latest
+        else f"stopped: the run folder {plan.run_dir} was deleted or moved; nothing was saved"
+    )
+    console.print(Text(said, style="bold red"), soft_wrap=True)
+    return 1
 
 
 def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:

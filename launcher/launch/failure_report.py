@@ -24,6 +24,7 @@ from launcher.launch.ranks import format_ranks
 from launcher.launch.root_cause import root_cause
 from launcher.launch.watchdog import Stall, describe
 from launcher.rundir.layout import CheckpointFiles, RunLayout
+from launcher.rundir.reading import read_log_tail
 
 _SIGNALS = {
     signal.SIGKILL: "killed (SIGKILL): most often the kernel's out-of-memory killer; "
@@ -46,6 +47,8 @@ _CODES = {
 }
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.MULTILINE)
 _ERROR = re.compile(r"^error: ", re.MULTILINE)
+# torch's ExceptionWrapper: a DataLoader worker's traceback, inside the message it raises.
+_ORIGINAL = "Original Traceback (most recent call last):"
 # Below this, the run folder's disk is called full (a failed write leaves a few KB at most).
 _FULL_BELOW_BYTES = 16 * 2**20
 
@@ -63,14 +66,21 @@ def describe_exit(code: int) -> str:
 
 
 def last_traceback(log: str) -> str | None:
-    """The last Python traceback in a log, through its exception line(s)."""
+    """The last Python traceback in a log, through its exception line(s). An exception a
+    DataLoader worker raised comes with its own traceback ("Original Traceback"), which holds
+    the recipe's frame and message: it is kept too."""
     starts = list(_TRACEBACK.finditer(log))
     if not starts:
         return None
     lines = log[starts[-1].start() :].splitlines()
+    in_original = False
     for i, line in enumerate(lines[1:], start=1):
-        if line and not line[0].isspace():  # the exception line ends the traceback
-            return "\n".join(lines[: i + 1])
+        if line.startswith(_ORIGINAL):
+            in_original = True
+        elif line and not line[0].isspace():  # an exception line ends a traceback
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            if in_original or not following.startswith(_ORIGINAL):
+                return "\n".join(lines[: i + 1])
     return "\n".join(lines)
 
 
@@ -83,11 +93,7 @@ _PEER_LOST = re.compile(
 
 def peer_lost(log_file: Path) -> bool:
     """Whether a rank failed because a peer went away, not by itself."""
-    try:
-        log = log_file.read_text(errors="replace")
-    except OSError:
-        return False
-    detail = last_traceback(log) or ""
+    detail = last_traceback(read_log_tail(log_file)) or ""
     return bool(_PEER_LOST.search(detail))
 
 
@@ -105,10 +111,7 @@ def last_words(log: str, max_error_lines: int = 8) -> str | None:
 def failure_panel(
     rank: int, host: str, code: int, log_file: Path, tail: int = 12, max_traceback: int = 16
 ) -> Panel:
-    try:
-        log = log_file.read_text(errors="replace")
-    except OSError:
-        log = ""
+    log = read_log_tail(log_file)
     parts: list[Text] = [
         Text.assemble(("how: ", "bold"), describe_exit(code)),
         Text.assemble(("log: ", "bold"), str(log_file)),
@@ -230,11 +233,19 @@ def explain_rendezvous_error(error: BaseException, plan: LaunchPlan) -> None:
         ) from error
 
 
-def report_stall(stalls: list[Stall], plan: LaunchPlan, console: Console) -> int:
+def report_stall(
+    stalls: list[Stall], plan: LaunchPlan, console: Console, after_stop: str | None = None
+) -> int:
+    """A hang: caught by the stall timeout, or at a stop (`after_stop`: the signal) that no
+    rank could honour, as none finished its step."""
     timeout = plan.spec.launch.stall_timeout
-    console.print(
-        Text(f"stopped: no progress for {timeout:g} s (launch.stall_timeout)", style="bold red")
+    said = (
+        f"stopped at once: after {after_stop}, the ranks did not finish their step (hung); "
+        "nothing was saved"
+        if after_stop
+        else f"stopped: no progress for {timeout:g} s (launch.stall_timeout)"
     )
+    console.print(Text(said, style="bold red"))
     for stall in sorted(stalls, key=lambda s: s.rank):
         console.print(describe(stall), highlight=False, soft_wrap=True)
     console.print(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import read_head
 
 
 def root_cause(failures: dict[int, Any], run_dir: Path | None = None) -> tuple[int, Any]:
@@ -55,6 +56,6 @@ def failure_times(run_dir: Path) -> dict[int, tuple[float, int]]:
     times: dict[int, tuple[float, int]] = {}
     for path in RunLayout(run_dir).failures():
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            record = json.loads(path.read_text())
+            record = json.loads(read_head(path, 1 << 16) or b"")
             times[int(record["rank"])] = (float(record["failed_at"]), int(record["pid"]))
     return times

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.config.loader import spec_to_yaml
@@ -52,11 +53,23 @@ def _create(plan: LaunchPlan) -> None:
         plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
     except FileExistsError:
         folder_choice.check_is_folder(plan.run_dir)
-        raise UsageError(f"--run-dir {plan.run_dir}: appeared while starting; run again") from None
+        raise UsageError(f"run folder {plan.run_dir}: appeared while starting; run again") from None
     except OSError as exc:
-        raise UsageError(f"--run-dir {plan.run_dir}: cannot create it ({exc.strerror})") from None
+        raise UsageError(f"run folder {plan.run_dir}: cannot create it ({exc.strerror})") from None
     if not os.access(plan.run_dir, os.W_OK):
-        raise UsageError(f"--run-dir {plan.run_dir}: not writable")
+        raise UsageError(f"run folder {plan.run_dir}: not writable")
+
+
+def _check_writable(folder: Path) -> None:
+    """Checkpoints are saved there: a folder that takes no file fails now, not at the first
+    save, steps of work later. Tried for real: permissions say nothing of a read-only mount."""
+    folder.mkdir(exist_ok=True)
+    probe = folder / f".writable.{os.getpid()}"
+    try:
+        probe.touch()
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(folder)) from None
+    probe.unlink()
 
 
 def _write_files(plan: LaunchPlan) -> None:
@@ -65,8 +78,17 @@ def _write_files(plan: LaunchPlan) -> None:
         layout.logs.mkdir(exist_ok=True)
         layout.telemetry_dir.mkdir(exist_ok=True)
         plan.node_dir.mkdir(parents=True, exist_ok=True)
+        if plan.writes_shared_files:
+            _check_writable(layout.checkpoints)
     except OSError as exc:
-        raise UsageError(f"--run-dir {plan.run_dir}: cannot write in it ({exc.strerror})") from None
+        where = Path(exc.filename or plan.run_dir)
+        within = where != plan.run_dir and where.is_relative_to(plan.run_dir)
+        inside = f" {where.relative_to(plan.run_dir)}/" if within else ""
+        raise UsageError(
+            f"run folder {plan.run_dir}: cannot write in{inside or ' it'} ({exc.strerror})",
+            hint="Make it writable (a read-only mount, or permissions), or resume into "
+            "another folder: --resume CHECKPOINT --run-dir NEW_FOLDER.",
+        ) from None
     text = _SPEC_HEADER + annotate_yaml(spec_to_yaml(plan.spec), plan.sources)
     if plan.writes_shared_files:
         # A resumed run keeps the spec it started with, and this attempt's goes beside it;

@@ -129,6 +129,20 @@ exit "$code"
 """
 
 
+# sbatch reads its `#SBATCH` lines itself, without a shell, so no quoting makes a value safe
+# there: a newline in one would end the directives and run the rest as a command.
+_NAMES = re.compile(r"[A-Za-z0-9_.,+-]+")  # partitions and accounts, comma lists of them
+_TIME = re.compile(r"[0-9:-]+|UNLIMITED|INFINITE|unlimited|infinite")
+
+
+def _check_directive(flag: str, value: str | None, allowed: re.Pattern[str], form: str) -> None:
+    if value is not None and not allowed.fullmatch(value):
+        raise UsageError(
+            f"{flag} {value!r}: not a value an #SBATCH line can hold ({form})",
+            hint=f"Give {flag} as SLURM names it, e.g. from `sinfo` or `sacctmgr show assoc`.",
+        )
+
+
 def sbatch_script(
     config: str,
     nodes: int,
@@ -151,6 +165,9 @@ def sbatch_script(
     train += ' --rdzv-id "$SLURM_JOB_ID" --resume latest'
     if extra_args:
         train += " " + shlex.join(extra_args)
+    _check_directive("--partition", partition, _NAMES, "letters, digits and _ . - , only")
+    _check_directive("--account", account, _NAMES, "letters, digits and _ . - , only")
+    _check_directive("--time", time, _TIME, "e.g. 24:00:00, 2-00:00:00 or UNLIMITED")
     options = [
         f"--job-name={name}",
         f"--nodes={nodes}",

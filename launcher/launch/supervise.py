@@ -10,12 +10,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import psutil
 from rich.console import Console
 
-from launcher.checkpoint.selection import resume_point
 from launcher.launch import rendezvous
 from launcher.launch.agent import AgentThread
 from launcher.launch.closed_output import flush_standard_streams
@@ -24,7 +24,6 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.watchdog import Stall, Watchdog
 from launcher.metrics.telemetry import read_beat
-from launcher.rundir.layout import step_of
 from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
 
 SIGNAL_EXIT = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}
@@ -40,6 +39,7 @@ class Outcome:
     signal_name: str = ""
     stalls: list[Stall] = field(default_factory=list)
     untrained: bool = False  # stopped before any rank finished a step: nothing to save
+    folder_gone: bool = False  # the run folder was deleted or moved while the run ran
 
     @property
     def exit_code_of_signal(self) -> int:
@@ -59,10 +59,14 @@ def supervise(
     step (nothing to save); a second one, or a hang, kills every worker. `spare`: a process
     of ours that stays (the reaper)."""
     stop_request = plan.layout.stop_request
+    folder = FolderWatch(plan.run_dir)
     with view, Signals() as signals:
         agent.start()
         while agent.is_alive():
             agent.join(0.2)
+            if folder.gone() and not folder.stop_in_new_folder(stop_request, console):
+                kill_workers(spare)
+                return Outcome(None, signals.received, signals.name, folder_gone=True)
             if signals.received == 1 and not signals.forwarded:
                 signals.forwarded = True
                 if view.untrained():
@@ -75,11 +79,58 @@ def supervise(
                     "press Ctrl-C again to stop at once",
                     style="yellow",
                 )
-            stalls = [] if signals.received >= 2 else view.stalls()
+            stalls = [] if signals.received >= 2 else view.stalls(signals.asked_s())
             if signals.received >= 2 or stalls:
                 kill_workers(spare)
                 return Outcome(None, signals.received, signals.name, stalls)
-    return Outcome(agent.error, signals.received, signals.name)
+    return Outcome(agent.error, signals.received, signals.name, folder_gone=folder.said)
+
+
+class FolderWatch:
+    """Whether the run folder is still the one the run started in. Deleted (or moved), the
+    ranks go on writing into files no one can find: their heartbeats too, so the watchdog
+    would call a healthy run hung. Said at once, and the run stops with a checkpoint where
+    it can (`stop_in_new_folder`)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.identity = self._identity()
+        self.said = False
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            info = os.stat(self.run_dir)
+        except OSError:
+            return None
+        return info.st_dev, info.st_ino
+
+    def gone(self) -> bool:
+        """Whether it went away just now (said once)."""
+        return not self.said and self.identity is not None and self._identity() != self.identity
+
+    def stop_in_new_folder(self, stop_request: Path, console: Console) -> bool:
+        """Makes a new folder at the run folder's path and asks the ranks to stop there: each
+        finishes its step and saves into it. False where the folder cannot be made."""
+        self.said = True
+        console.print(
+            f"error: the run folder {self.run_dir} was deleted or moved while the run ran",
+            style="bold red",
+            highlight=False,
+            soft_wrap=True,
+        )
+        try:
+            stop_request.parent.mkdir(parents=True, exist_ok=True)
+            stop_request.touch()
+        except OSError as exc:
+            console.print(f"cannot make it again ({exc.strerror}): stopping at once")
+            return False
+        console.print(
+            "every rank finishes its step, saves a checkpoint into a new folder at that path, "
+            "and stops (its logs and metrics went with the old one)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return True
 
 
 class NodeView:
@@ -90,7 +141,6 @@ class NodeView:
     def __init__(self, plan: LaunchPlan, console: Console) -> None:
         self.plan, self.console = plan, console
         self.ranks: range | None = None
-        self._start_step = 0
         self._display: RunDisplay | None = None
         self._watchdog: Watchdog | None = None
         self._lock = threading.Lock()
@@ -102,9 +152,7 @@ class NodeView:
         # Left by an earlier attempt: a stale heartbeat would look like a stalled rank.
         for rank in ranks:
             plan.layout.beat(rank).unlink(missing_ok=True)
-        start = resume_point(plan.resume_from, plan.run_dir)  # as the workers decide it
         with self._lock:
-            self._start_step = (step_of(start) if start else None) or 0
             self._watchdog = Watchdog(plan.run_dir, ranks, plan.spec.launch.stall_timeout)
             if ranks == self.ranks:
                 return
@@ -132,13 +180,19 @@ class NodeView:
         if self.plan.nodes.multi:
             return False
         with self._lock:
-            ranks, start = self.ranks or range(0), self._start_step
+            ranks = self.ranks or range(0)
         beats = [read_beat(self.plan.layout.beat(rank)) for rank in ranks]
-        return all(beat is None or beat[0] <= start for beat in beats)
+        return not any(beat is not None and beat.stepped for beat in beats)
 
-    def stalls(self) -> list[Stall]:
+    def stalls(self, stop_asked_s: float | None = None) -> list[Stall]:
+        """The hung ranks: for the stall timeout, or since a stop was asked for
+        `stop_asked_s` seconds ago (`Watchdog.check_after_stop`)."""
         with self._lock:
-            return self._watchdog.check() if self._watchdog else []
+            if self._watchdog is None:
+                return []
+            if stop_asked_s is not None and (hung := self._watchdog.check_after_stop(stop_asked_s)):
+                return hung
+            return self._watchdog.check()
 
     def __enter__(self) -> NodeView:
         return self
@@ -157,7 +211,12 @@ class Signals:
         self.name = ""
         self.forwarded = False
         self._at = 0.0
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
+
+    def asked_s(self) -> float | None:
+        """Seconds since the stop was asked for (the first signal), or None."""
+        return time.monotonic() - self._first if self.received else None
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -167,6 +226,7 @@ class Signals:
         self.received += 1
         self.name = signal.Signals(signum).name
         self._at = now
+        self._first = self._first or now
 
     def __enter__(self) -> Signals:
         # SIGHUP: the terminal or ssh session went away; treated as a request to stop.

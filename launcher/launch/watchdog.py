@@ -17,28 +17,34 @@ from pathlib import Path
 
 import psutil
 
-from launcher.metrics.telemetry import read_beat
+from launcher.metrics.telemetry import Beat, read_beat
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import read_log_tail
 
 # faulthandler's header of the thread that handled the signal, then its innermost frame.
 _CURRENT = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):$", re.MULTILINE)
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
 
 
+# /proc states of a process that runs nothing until it is continued (`T`, `t`).
+_HALTED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
 # Before its first step a rank builds, restores and (XLA) compiles: it gets this many timeouts.
 STARTUP_TIMEOUTS = 3
+# After a stop request, a rank has this long (or 4 of its slowest steps) to finish its step.
+STOP_GRACE_S = 10.0
 
 
 @dataclass
 class RankState:
     seen: float  # launcher clock when the heartbeat last changed
-    beat: tuple[int, int, int] | None = None  # step, beats, pid
-    step_changes: int = 0  # by this process: a restore moves the step once, then steps do
+    beat: Beat | None = None
+    longest_gap: float = 0.0  # between two heartbeats of its own steps: its slowest step
 
     @property
     def stepped(self) -> bool:
-        """Whether this process has surely finished a step of its own."""
-        return self.step_changes >= 2
+        """Whether this process has finished a step of its own (its heartbeat says so)."""
+        return self.beat is not None and self.beat.stepped
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Stall:
     step: int | None
     idle_s: float
     where: str | None  # innermost Python frame, e.g. "recipe.py:12 in loss"
+    stopped: bool = False  # by SIGSTOP (or a debugger): it runs no code, so it says nothing
 
 
 class Watchdog:
@@ -61,58 +68,103 @@ class Watchdog:
         """The stalled ranks, or [] (always [] with the watchdog off)."""
         if self.timeout_s is None:
             return []
+        self._update()
         now = time.monotonic()
-        for rank, state in self.ranks.items():
-            beat = read_beat(self.layout.beat(rank))
+        late = any(
+            now - s.seen > self.timeout_s * (1 if s.stepped else STARTUP_TIMEOUTS)
+            for s in self.ranks.values()
+        )
+        return self._stalls(self.timeout_s / 2) if late else []
+
+    def check_after_stop(self, asked_s: float, grace_s: float = STOP_GRACE_S) -> list[Stall]:
+        """A stop was asked for `asked_s` seconds ago: every rank finishes the step it is in,
+        saves and stops. The ranks, if one of them has not finished that step within `grace_s`
+        or 4 of its slowest steps: it is hung, and nothing will be saved. Catches a hung run
+        at Ctrl-C without waiting for the stall timeout."""
+        self._update()
+        asked_at = time.monotonic() - asked_s
+        late = any(
+            s.stepped and s.seen < asked_at and asked_s > max(grace_s, 4 * s.longest_gap)
+            for s in self.ranks.values()
+        )
+        return self._stalls(grace_s / 2) if late else []
+
+    def _update(self) -> None:
+        now = time.monotonic()
+        for state, beat in zip(self.ranks.values(), self._beats(), strict=True):
             if beat is None or beat == state.beat:
                 continue
-            if state.beat is None or beat[2] != state.beat[2]:  # a new process (a restart)
-                state.step_changes = 0
-            elif beat[0] != state.beat[0]:
-                state.step_changes += 1
+            if state.stepped and state.beat is not None and beat.pid == state.beat.pid:
+                state.longest_gap = max(state.longest_gap, now - state.seen)
             state.beat, state.seen = beat, now
+
+    def _stalls(self, idle_s: float) -> list[Stall]:
+        """Every rank idle for over `idle_s`, with where it stands: one rank hung holds the
+        others in their next collective, and where each one is tells them apart."""
+        now = time.monotonic()
         idle = {r: now - s.seen for r, s in self.ranks.items()}
-        limit = {
-            r: self.timeout_s * (1 if s.stepped else STARTUP_TIMEOUTS)
-            for r, s in self.ranks.items()
-        }
-        if not any(idle[r] > limit[r] for r in idle):
-            return []
-        # One rank hung holds the others in their next collective: all of them are idle, and
-        # where each one stands is what tells them apart.
-        stalled = [r for r, t in idle.items() if t > self.timeout_s / 2]
+        stalled = [r for r, t in idle.items() if t > idle_s]
         self._request_stacks(stalled)
         return [
-            Stall(r, self._step(r), idle[r], innermost_frame(self.layout.log(r))) for r in stalled
+            Stall(
+                r,
+                self._step(r),
+                idle[r],
+                innermost_frame(self.layout.log(r)),
+                self._stopped(r),
+            )
+            for r in stalled
         ]
+
+    def _stopped(self, rank: int) -> bool:
+        beat = self.ranks[rank].beat
+        try:
+            return beat is not None and psutil.Process(beat.pid).status() in _HALTED
+        except psutil.Error:
+            return False
+
+    def _beats(self) -> list[Beat | None]:
+        return [read_beat(self.layout.beat(rank)) for rank in self.ranks]
 
     def _step(self, rank: int) -> int | None:
         beat = self.ranks[rank].beat
-        return beat[0] if beat else None
+        return beat.step if beat else None
 
     def _request_stacks(self, ranks: list[int], wait_s: float = 1.5) -> None:
         # Only processes of this run: a pid in a heartbeat may be long gone, and reused.
         ours = {p.pid for p in psutil.Process().children(recursive=True)}
-        asked = False
+        asked: dict[Path, int] = {}
         for rank in ranks:
             beat = self.ranks[rank].beat
-            if beat is None or beat[2] not in ours:
+            if beat is None or beat.pid not in ours:
                 continue
+            log = self.layout.log(rank)
             try:
-                os.kill(beat[2], signal.SIGUSR2)
-                asked = True
-            except ProcessLookupError:
+                size = log.stat().st_size
+                os.kill(beat.pid, signal.SIGUSR2)
+                asked[log] = size
+            except (ProcessLookupError, OSError):
                 pass
-        if asked:
-            time.sleep(wait_s)  # faulthandler writes at once; the log is then complete
+        # faulthandler writes from C at once, without the GIL: a log that grew has its dump
+        # (give it a moment to finish); a stopped process never writes.
+        deadline = time.monotonic() + wait_s
+        while asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if all(_size(log) > size for log, size in asked.items()):
+                time.sleep(0.1)
+                return
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def innermost_frame(log_file: Path) -> str | None:
     """Where the thread that took the last SIGUSR2 was, from faulthandler's dump in the log."""
-    try:
-        log = log_file.read_text(errors="replace")
-    except OSError:
-        return None
+    log = read_log_tail(log_file)
     dumps = list(_CURRENT.finditer(log))
     if not dumps:
         return None
@@ -124,6 +176,11 @@ def innermost_frame(log_file: Path) -> str | None:
 
 def describe(stall: Stall) -> str:
     step = "before its first step" if stall.step is None else f"after step {stall.step}"
+    if stall.stopped:
+        return (
+            f"rank {stall.rank}: no progress for {stall.idle_s:.0f} s {step}: its process is "
+            "stopped (SIGSTOP, or a debugger holds it) and runs nothing until SIGCONT"
+        )
     where = stall.where or "stack unknown"
     waiting = "site-packages/torch" in where or "/torch/" in where
     note = " (waiting inside torch, likely for another rank)" if waiting else ""

@@ -3,7 +3,7 @@
 Workers write (paths: `launcher.rundir.layout`):
 - their status records (telemetry/rank-N.jsonl), each with its pid: the live table;
 - their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
-  and save (`step beats pid`): what the launcher's hang watchdog follows;
+  and save (`step beats pid start`, `Beat`): what the launcher's hang watchdog follows;
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
 - rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json);
   each metrics record also goes to rank 0's sinks (`launcher.metrics.sinks`: TensorBoard's
@@ -16,12 +16,14 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import read_head
 
 if TYPE_CHECKING:
     from launcher.metrics.sinks import Sink
@@ -40,12 +42,24 @@ def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def read_beat(path: Path) -> tuple[int, int, int] | None:
-    """(step, beats, pid) from a heartbeat file, or None while there is none."""
+class Beat(NamedTuple):
+    step: int  # the newest step done
+    beats: int  # heartbeats so far: each one is news
+    pid: int  # of the process: another one is a restart
+    start: int  # the step this process started training from; -1 while it builds and restores
+
+    @property
+    def stepped(self) -> bool:
+        """Whether this process has finished a step of its own (not one it restored)."""
+        return 0 <= self.start < self.step
+
+
+def read_beat(path: Path) -> Beat | None:
+    """A heartbeat file's record, or None while there is none."""
     try:
-        step, beats, pid = path.read_text().split()
-        return int(step), int(beats), int(pid)
-    except (OSError, ValueError):
+        step, beats, pid, start = (read_head(path, 256) or b"").split()
+        return Beat(int(step), int(beats), int(pid), int(start))
+    except ValueError:
         return None
 
 
@@ -68,8 +82,8 @@ class Telemetry:
         self.layout = layout = RunLayout(run_dir)
         layout.telemetry_dir.mkdir(exist_ok=True)
         # Held open for the whole run (closed by close()); line-buffered so each record lands whole.
-        self._status = open(layout.telemetry(rank), "a", buffering=1)  # noqa: SIM115
-        self._metrics = (
+        self._status: TextIO | None = open(layout.telemetry(rank), "a", buffering=1)  # noqa: SIM115
+        self._metrics: TextIO | None = (
             open(layout.metrics, "a", buffering=1)  # noqa: SIM115
             if is_main
             else None
@@ -77,6 +91,7 @@ class Telemetry:
         # One write in place per step: cheap at any step rate, and the file never grows.
         self._beat = os.open(layout.beat(rank), os.O_WRONLY | os.O_CREAT, 0o644)
         self._beats = 0
+        self._start = -1
         self._sinks = None
         if is_main and sinks:
             from launcher.metrics.sinks import BackgroundWriter
@@ -86,7 +101,14 @@ class Telemetry:
     def beat(self, step: int) -> None:
         """The heartbeat: alive, and step `step` is done."""
         self._beats += 1
-        os.pwrite(self._beat, f"{step:>12} {self._beats:>12} {os.getpid():>10}\n".encode(), 0)
+        record = f"{step:>12} {self._beats:>12} {os.getpid():>10} {self._start:>12}\n"
+        os.pwrite(self._beat, record.encode(), 0)
+
+    def start_from(self, step: int) -> None:
+        """Built and restored: training starts after `step` (the watchdog then knows a step of
+        this process's own from a restored one, however fast steps go)."""
+        self._start = step
+        self.beat(step)
 
     def step_done(self, seconds: float) -> None:
         if self.first_step_end is None:
@@ -110,22 +132,36 @@ class Telemetry:
             **fields,
         }
         record["elapsed_s"] = round(record["time"] - self.started, 3)
-        self._status.write(json.dumps(record) + "\n")
+        self._status = self._append(self._status, record)
 
     def metrics(self, **fields: Any) -> None:
-        if self._metrics is not None:
+        if self.is_main:
             record = {**fields, "time": round(time.time(), 3)}
-            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics = self._append(self._metrics, record)
             if self._sinks is not None:
                 self._sinks.write(record)
+
+    def _append(self, file: TextIO | None, record: dict[str, Any]) -> TextIO | None:
+        """Appends a record; a file that fails (a full disk, a quota) is warned of once and
+        written no more, as the sinks do: the records are a view of the run, not the run."""
+        if file is None:
+            return None
+        try:
+            file.write(json.dumps(record) + "\n")
+            return file
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                file.close()
+            _warn(f"{file.name}: cannot write it ({exc.strerror or exc}); training goes on, "
+                  "without these records from now on")  # fmt: skip
+            return None
 
     def mark_resumed(self, step: int) -> None:
         """Rank 0: marks in metrics.jsonl that the run resumed from step `step`'s checkpoint,
         so that its readers count the steps done again after it once. Not for the sinks:
         TensorBoard drops a resumed run's orphaned steps itself."""
-        if self._metrics is not None:
-            marker = {RESUMED_AT: step, "time": round(time.time(), 3)}
-            self._metrics.write(json.dumps(marker) + "\n")
+        marker = {RESUMED_AT: step, "time": round(time.time(), 3)}
+        self._metrics = self._append(self._metrics, marker)
 
     def write_summary(self, **fields: Any) -> None:
         if not self.is_main:
@@ -140,7 +176,10 @@ class Telemetry:
             "wall_s": time.time() - self.started,
             **fields,
         }
-        self.layout.summary.write_text(json.dumps(summary, indent=1))
+        try:
+            self.layout.summary.write_text(json.dumps(summary, indent=1))
+        except OSError as exc:  # the run is done: a disk that filled must not fail it now
+            _warn(f"{self.layout.summary}: cannot write it ({exc.strerror or exc})")
 
     def close(self) -> None:
         # The sinks first: they never raise, and a file that fails to close (a full disk) must
@@ -148,9 +187,15 @@ class Telemetry:
         if self._sinks is not None:
             self._sinks.close()
         os.close(self._beat)
-        self._status.close()
-        if self._metrics is not None:
-            self._metrics.close()
+        for file in (self._status, self._metrics):
+            if file is not None:
+                with contextlib.suppress(OSError):  # said already, or the disk just filled
+                    file.close()
+
+
+def _warn(what: str) -> None:
+    # One line on this rank's stderr (its log and the display), as the sinks' warnings.
+    print(f"WARNING: {what}", file=sys.stderr, flush=True)
 
 
 def record_failure(run_dir: Path, rank: int) -> None:

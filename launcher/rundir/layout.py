@@ -247,6 +247,8 @@ class RunLayout:
         startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
         startup.append(self.outcome)  # an attempt that never trained records its end
+        if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
+            startup.append(self.checkpoints)  # made, and found writable, at the start
         return any(p not in startup for p in self.root.iterdir())
 
 

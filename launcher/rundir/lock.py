@@ -78,7 +78,8 @@ def is_held(layout: RunLayout) -> bool | None:
     """Whether a launcher writes the run folder now, as its lock says; None where the file
     system cannot tell (no flock). Looks without waiting, and lets go at once."""
     try:
-        fd = os.open(layout.lock, os.O_RDONLY)
+        # Not blocking: a FIFO put in the lock's place would wait for a writer forever.
+        fd = os.open(layout.lock, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
     except OSError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -27,6 +28,9 @@ from dataclasses import asdict, dataclass
 from launcher.errors import INTERRUPTED, LauncherError
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import read_head
+
+STATUSES = ("finished", "failed", "stopped")
 
 
 @dataclass(frozen=True)
@@ -41,16 +45,25 @@ class RunOutcome:
 def read_outcome(layout: RunLayout) -> RunOutcome | None:
     """The recorded outcome, or None: none was written, or it cannot be read."""
     try:
-        record = json.loads(layout.outcome.read_text())
-        return RunOutcome(
+        record = json.loads(read_head(layout.outcome, 1 << 16) or b"")
+        started = record.get("started")
+        outcome = RunOutcome(
             status=str(record["status"]),
             exit_code=int(record["exit_code"]),
-            ended=float(record["ended"]),
-            started=record.get("started"),
+            ended=_finite(record["ended"]),
+            started=None if started is None else _finite(started),
             reason=str(record.get("reason") or ""),
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: 1e999
         return None
+    return outcome if outcome.status in STATUSES else None
+
+
+def _finite(found: object) -> float:
+    number = float(found)  # type: ignore[arg-type]
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite time: {found}")
+    return number
 
 
 class OutcomeRecorder:

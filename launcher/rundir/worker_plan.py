@@ -46,9 +46,10 @@ class WorkerPlan:
 
     def write(self, path: Path) -> None:
         record: dict[str, Any] = asdict(self)
-        record["run_dir"] = str(self.run_dir)
+        # Absolute, as seen from the launch folder: a recipe may os.chdir() in a worker.
+        record["run_dir"] = str(self.run_dir.absolute())
         for key in ("resume_from", "compile_cache"):
-            record[key] = str(record[key]) if record[key] is not None else None
+            record[key] = str(Path(record[key]).absolute()) if record[key] is not None else None
         write_atomic(path, json.dumps(record, indent=1) + "\n")
 
     @classmethod

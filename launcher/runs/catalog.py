@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ class RunRow:
 
     name: str
     folder: str
-    status: str  # running, finished, failed, stopped, interrupted or unknown
+    status: str  # running, finished, failed, stopped, interrupted, unknown or unreadable
     exit_code: int | None
     reason: str  # a stop's signal, or what failed
     step: int | None  # the newest step done (rank 0's)
@@ -88,13 +88,26 @@ def _oldest_first(runs: Iterable[Path]) -> list[Path]:
 
 
 def _folders(path: Path) -> list[Path]:
+    """The folders in `path`; a link is none (`--resume latest` skips it too): it would list a
+    run twice, or one of another folder's."""
     try:
-        return sorted(p for p in path.iterdir() if p.is_dir())
+        return sorted(p for p in path.iterdir() if p.is_dir() and not p.is_symlink())
     except OSError:
         return []
 
 
 def describe_run(run_dir: Path, now: float | None = None) -> RunRow:
+    """What `train runs` says of a run; one that cannot be read is `unreadable`, never an
+    error: one bad run must not break the list of all of them."""
+    try:
+        return _describe(run_dir, now)
+    except Exception as exc:  # whatever its files hold
+        blank = dict.fromkeys(f.name for f in fields(RunRow))
+        return RunRow(**{**blank, "name": run_dir.parent.name, "folder": str(run_dir),
+                         "status": "unreadable", "reason": f"{type(exc).__name__} reading it"})  # fmt: skip
+
+
+def _describe(run_dir: Path, now: float | None) -> RunRow:
     layout = RunLayout(run_dir)
     status, outcome = run_status(layout)
     records = read_records(layout.metrics)
@@ -155,7 +168,7 @@ def _spec(layout: RunLayout) -> RunSpec | None:
 def _step(layout: RunLayout, logged: list[int]) -> int | None:
     # Rank 0's heartbeat names its newest step, logged or not; metrics only the logged ones.
     beat = read_beat(layout.beat(0))
-    return beat[0] if beat is not None else logged[-1] if logged else None
+    return beat.step if beat is not None else logged[-1] if logged else None
 
 
 def _total_steps(layout: RunLayout, spec: RunSpec | None) -> int | None:

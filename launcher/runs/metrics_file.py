@@ -9,33 +9,26 @@ Every reader sees each step once, with the newer values, and never the marker it
 from __future__ import annotations
 
 import json
-import os
+import math
 from pathlib import Path
 from typing import Any
 
 from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT, is_number
+from launcher.rundir.reading import read_tail
+
+# The most of a metrics file read: its newest records (over a million steps of a few metrics).
+MAX_METRICS_BYTES = 256 << 20
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Every whole record of the file, oldest first."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return []
-    return without_replays(_parse(data.splitlines()))
+def read_records(path: Path, limit: int = MAX_METRICS_BYTES) -> list[dict[str, Any]]:
+    """Every whole record of the file, oldest first (of its last `limit` bytes)."""
+    return without_replays(_parse((read_tail(path, limit) or b"").splitlines()))
 
 
 def tail_records(path: Path, size: int = 16384) -> list[dict[str, Any]]:
     """The whole records among the file's last `size` bytes: the newest, read at once from a
     file of any length."""
-    try:
-        with open(path, "rb") as f:
-            start = max(0, f.seek(0, os.SEEK_END) - size)
-            f.seek(start)
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    return without_replays(_parse(lines[1:] if start else lines))  # the first may be cut
+    return read_records(path, size)
 
 
 def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
@@ -63,9 +56,16 @@ def without_replays(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def value(record: dict[str, Any], metric: str) -> float | None:
-    """The record's number for `metric`, or None where it has none (or not a number)."""
+    """The record's number for `metric`, or None where it has none: not a number, or not a
+    finite one (a run stopped on a NaN loss wrote it; no table or plot can hold it)."""
     found = record.get(metric)
-    return float(found) if is_number(found) else None
+    if not is_number(found):
+        return None
+    try:
+        number = float(found)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return number if math.isfinite(number) else None
 
 
 def metric_names(records: list[dict[str, Any]]) -> list[str]:

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from launcher.runs.catalog import RunRow
+from launcher.safe_text import clean
 
 _STYLES = {
     "running": "bold cyan",
@@ -30,8 +31,9 @@ def runs_table(rows: list[RunRow]) -> Table:
     shown = {row.best_val_metric for row in rows if row.best_val_metric}
     one_metric = shown.pop() if len(shown) == 1 else None
     columns: dict[str, list[str | Text]] = {
-        "run": [row.name for row in rows],
-        "folder": [Path(row.folder).name for row in rows],
+        # Text, never markup: a folder named `[red]x` is shown as it is named.
+        "run": [_shown(row.name) for row in rows],
+        "folder": [_shown(Path(row.folder).name) for row in rows],
         "status": [status_text(row) for row in rows],
         "steps": [_steps(row) for row in rows],
         "loss": [_number(row.last_loss) for row in rows],
@@ -65,7 +67,12 @@ def status_text(row: RunRow) -> Text:
         words += f" (exit {row.exit_code})"
     elif row.status == "stopped" and row.reason:
         words += f" ({row.reason})"
-    return Text(words, style=_STYLES.get(row.status, ""))
+    return Text(clean(words), style=_STYLES.get(row.status, ""))
+
+
+def _shown(name: str) -> Text:
+    """A name from the run folder (anyone who can write there chose it), as plain text."""
+    return Text(clean(name))
 
 
 def _steps(row: RunRow) -> str:
@@ -78,11 +85,11 @@ def _number(found: float | None) -> str:
     return "-" if found is None else f"{found:.4g}"
 
 
-def _best_val(row: RunRow, named: bool) -> str:
+def _best_val(row: RunRow, named: bool) -> str | Text:
     if row.best_val is None:
         return "-"
     at = f" @{row.best_val_step}" if row.best_val_step is not None else ""
-    return f"{row.best_val_metric} " * named + f"{row.best_val:.4g}{at}"
+    return _shown(f"{row.best_val_metric} " * named + f"{row.best_val:.4g}{at}")
 
 
 def _when(unix: float | None) -> str:

@@ -113,7 +113,7 @@ class Trainer:
             # Steps past this one that metrics.jsonl holds were lost with the attempt that
             # wrote them: readers drop them at this mark, and see each step once.
             self.telemetry.mark_resumed(self.progress.step)
-        self.telemetry.beat(self.progress.step)
+        self.telemetry.start_from(self.progress.step)
         resumed = self.progress.step if self.resume_from else None
         self.report.introduce(self.model, self.feed.samples, resumed)
         try:

@@ -191,6 +191,10 @@ def _end_children() -> None:
     import multiprocessing
 
     children = multiprocessing.active_children()
+    if children:
+        # The loader's SIGCHLD handler would take the workers ended here for a crash and raise
+        # "DataLoader worker ... killed by signal: Terminated" over the run's real error.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in children:
         child.terminate()
     for child in children:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,16 @@ from launcher.checkpoint.export import export, resolve_source, write_state_dict
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from recipes.mlp import build_model
-from tests.conftest import REPO, run_train, usage_error, write_spec
+from tests.conftest import (
+    FAULTY_RECIPE,
+    REPO,
+    finish_train,
+    run_train,
+    start_train,
+    usage_error,
+    wait_for_step,
+    write_spec,
+)
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -245,8 +256,20 @@ def test_a_truncated_shard_is_a_short_error(tmp_path: Path) -> None:
     (shard,) = [p for p in checkpoint.iterdir() if p.suffix == ".distcp"]
     shard.write_bytes(shard.read_bytes()[:100])
     out = tmp_path / "m.pt"
-    usage_error(_export(checkpoint, out), "cannot read the model's tensors")
+    # Found short before it is read: its .metadata claims more than the files hold.
+    usage_error(_export(checkpoint, out), "more than its files hold", "it is damaged")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing half-written
+
+
+def test_a_metadata_claiming_more_than_its_files_hold_is_refused(tmp_path: Path) -> None:
+    """A .metadata that says a tensor has 2**40 elements: refused, nothing allocated."""
+    checkpoint = _fake_checkpoint(tmp_path / "ckpt", {"w": torch.ones(1000)})
+    path = checkpoint / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    metadata.state_dict_metadata["model.w"].size = torch.Size([2**40])
+    path.write_bytes(pickle.dumps(metadata))
+    result = _export(checkpoint, tmp_path / "m.pt")
+    usage_error(result, "its .metadata claims 4398.0 GB of model tensors", "it is damaged")
 
 
 def test_non_tensor_model_entries_are_skipped_and_named(tmp_path: Path) -> None:
@@ -307,3 +330,28 @@ def test_an_xla_fsdp_checkpoint_exports_to_the_bare_model(tmp_path: Path) -> Non
     exported.load_state_dict(torch.load(out), strict=True)
     _from_checkpoint(reference, RunLayout(run).checkpoint(3), prefix="_orig_module.")
     _assert_same_model(exported, reference, torch.randn(32, 16))
+
+
+@pytest.mark.timeout(300)
+def test_a_running_run_that_keeps_one_checkpoint_exports(tmp_path: Path) -> None:
+    """Saves every 2 steps, keeps 1: the newest checkpoint is often removed while it is read;
+    export then reads the one that replaced it."""
+    (tmp_path / "faulty.py").write_text(FAULTY_RECIPE)
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        recipe={"source": "faulty.py", "dataset": {}},
+        train={"max_steps": 10_000, "log_every": 50},
+        checkpoint={"every_n_steps": 2, "keep_last": 1},
+    )
+    proc = start_train(["--config", str(spec), "--run-dir", str(tmp_path / "run")], tmp_path,
+                       env={"FAULT": "slow", "FAULT_RANK": "0"})  # fmt: skip
+    try:
+        wait_for_step(tmp_path / "run", 0, 4, proc)
+        exports = tmp_path / "exports"  # its own folder: the check for leftovers looks there
+        exports.mkdir()
+        for i in range(4):
+            result = _export(tmp_path / "run", exports / f"m{i}.pt")
+            assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        os.kill(proc.pid, signal.SIGINT)
+        finish_train(proc, tmp_path)

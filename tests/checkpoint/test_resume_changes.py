@@ -145,13 +145,18 @@ def test_a_resume_keeps_a_flag_given_strategy_and_needs_no_config(tmp_path: Path
 @pytest.mark.timeout(240)
 def test_what_no_resume_can_take_is_refused_before_anything_starts(tmp_path: Path) -> None:
     spec, run = _first_run(tmp_path)
-    (tmp_path / "other.py").write_text(
-        (Path(__file__).parents[2] / "recipes" / "mlp.py").read_text()
-    )
+    recipe = (Path(__file__).parents[2] / "recipes" / "mlp.py").read_text()
+    (tmp_path / "other.py").write_text(recipe + "\nWIDTH = 3  # another recipe\n")
     other = run_train(
         ["--config", str(spec), "--resume", "latest", "recipe.source=other.py"], tmp_path
     )
     usage_error(other, "recipe.source (override recipe.source=other.py)", "its own recipe")
+    # The same recipe copied elsewhere is the same recipe: it passes on to the next check.
+    (tmp_path / "copy.py").write_text(recipe)
+    copy = run_train(
+        ["--config", str(spec), "--resume", "latest", "recipe.source=copy.py"], tmp_path
+    )
+    usage_error(copy, "train.max_steps=4", "at step 4 already")
     past = run_train(["--config", str(spec), "--resume", "latest", "train.max_steps=3"], tmp_path)
     usage_error(past, "train.max_steps=3", "at step 4 already")
     no_config = run_train(["--resume", "latest"], tmp_path)

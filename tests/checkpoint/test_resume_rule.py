@@ -37,6 +37,17 @@ def _age(run_dir: Path, mtime: float) -> None:
     os.utime(run_dir, (mtime, mtime))
 
 
+def test_latest_is_never_a_link_in_the_runs_folder(tmp_path: Path) -> None:
+    """A link in runs/NAME/ may lead anywhere (another user's run): `--resume latest` would
+    write there. It is no run of this name, however new."""
+    runs = tmp_path / "runs"
+    own = _checkpoint(runs / "t" / "a", 2).parent.parent
+    elsewhere = _checkpoint(tmp_path / "theirs", 9).parent.parent
+    (runs / "t" / "b-link").symlink_to(elsewhere)
+    _age(own, 1_000)
+    assert resume_point(ResumeRequest("latest", runs, "t")) == RunLayout(own).checkpoint(2)
+
+
 def test_nothing_asked_and_no_checkpoint_starts_anew(tmp_path: Path) -> None:
     assert resume_point(None) is None
     assert resume_point(None, tmp_path / "new-run") is None
@@ -101,7 +112,8 @@ def test_a_jobs_latest_is_its_own_folder(tmp_path: Path) -> None:
 
 
 # The modules that ask for a resume point; none of them may work one out itself.
-ASKERS = ("launch/plan.py", "launch/supervise.py", "worker/loop.py")
+# (The launcher's supervisor needs none: each heartbeat says the step its process started from.)
+ASKERS = ("launch/plan.py", "worker/loop.py")
 
 
 def _decides_a_resume_point(tree: ast.AST) -> list[int]:

@@ -28,7 +28,7 @@ from tests.launch.test_multinode import finish_nodes, free_port, node_args
 pytestmark = pytest.mark.timeout(300)
 
 # $STORAGE_FAULT at micro-step $FAULT_AT: `fill` (rank 0 fills the disk of $FILL_FILE, as
-# another program would) or `torn-error-file`/`empty-error-file` (rank 1 dies while writing
+# another program would), `metrics-full` (rank 0's metrics.jsonl hits a full disk) or `torn-error-file`/`empty-error-file` (rank 1 dies while writing
 # its elastic error file).
 STORAGE_RECIPE = """
 import os
@@ -68,6 +68,11 @@ def loss(model, batch):
     calls += 1
     if calls == AT and FAULT == "fill" and os.environ["RANK"] == "0":
         fill_disk(os.environ["FILL_FILE"])
+    if calls == AT and FAULT == "metrics-full" and os.environ["RANK"] == "0":
+        full = os.open("/dev/full", os.O_WRONLY)  # every write to it: ENOSPC
+        for fd in os.listdir("/proc/self/fd"):
+            if os.path.realpath(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+                os.dup2(full, int(fd))
     if calls == AT and FAULT.endswith("error-file") and os.environ["RANK"] == "1":
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             f.write('{"message": {"mess' if FAULT.startswith("torn") else "")
@@ -116,7 +121,7 @@ def test_nodes_with_run_folders_of_their_own_are_refused_before_training(tmp_pat
             "--run-dir, or run.output_dir",
         )
         assert "step 3/6" not in result.stdout  # refused before training, not at the save
-        assert not (run_dir / "checkpoints").exists()
+        assert not list(run_dir.glob("checkpoints/step-*"))
 
     shared = tmp_path / "shared"
     for result in nodes("shared", shared, shared):
@@ -139,23 +144,22 @@ find "$DISK" -path "*checkpoints*" > resumed.tree
 """
 
 
-@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_a_disk_that_fills_up_during_a_save(tmp_path: Path, use_async: bool) -> None:
+def _skip_without_namespaces() -> None:
     if (
         shutil.which("unshare") is None
         or subprocess.run(
             ["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True
         ).returncode
     ):
-        pytest.skip("no user and mount namespaces here, so no small disk to fill")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    _spec(tmp_path, disk / "runs", **{"async": use_async})
-    env = {"DISK": str(disk), "TRAIN": str(TRAIN), "FILL_FILE": str(disk / "filler")}
+        pytest.skip("no user and mount namespaces here, so no disk of our own to mount")
+
+
+def _in_namespace(script: str, tmp_path: Path, env: dict[str, str]) -> int:
+    """`script` in a user and mount namespace of its own, where it may mount; its exit code."""
     proc = subprocess.Popen(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _ON_SMALL_DISK],
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
         cwd=tmp_path,
-        env={**os.environ, "COLUMNS": "200", "FAULT_AT": "15", **env},
+        env={**os.environ, "COLUMNS": "200", "TRAIN": str(TRAIN), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -163,7 +167,43 @@ def test_a_disk_that_fills_up_during_a_save(tmp_path: Path, use_async: bool) -> 
     )
     done = finish_train(proc, tmp_path, timeout=280)
     if done.returncode == 77:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr}")
+        pytest.skip(f"cannot mount here: {done.stderr}")
+    return done.returncode
+
+
+_ON_READ_ONLY_CHECKPOINTS = """
+mount -t tmpfs -o size=64m tmpfs "$DISK" || exit 77
+"$TRAIN" --config run.yaml train.max_steps=20 > first.out 2>&1 || exit 78
+checkpoints=$(echo "$DISK"/runs/t/*/checkpoints)
+mount --bind "$checkpoints" "$checkpoints" || exit 77
+mount -o remount,bind,ro "$checkpoints" || exit 77
+"$TRAIN" --config run.yaml --resume latest train.max_steps=30 > resumed.out 2>&1
+echo $? > resumed.rc
+"""
+
+
+def test_a_read_only_checkpoints_folder_is_refused_before_any_step(tmp_path: Path) -> None:
+    _skip_without_namespaces()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _spec(tmp_path, disk / "runs")
+    code = _in_namespace(_ON_READ_ONLY_CHECKPOINTS, tmp_path, {"DISK": str(disk)})
+    assert code == 0, (tmp_path / "first.out").read_text()
+    resumed = (tmp_path / "resumed.out").read_text()
+    assert (tmp_path / "resumed.rc").read_text().strip() == "2", resumed
+    assert ": cannot write in checkpoints/ (Read-only file system)" in resumed, resumed
+    assert resumed.startswith("error: run folder ")  # not "--run-dir": none was given
+    assert "Traceback" not in resumed and "step 21" not in resumed
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_disk_that_fills_up_during_a_save(tmp_path: Path, use_async: bool) -> None:
+    _skip_without_namespaces()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _spec(tmp_path, disk / "runs", **{"async": use_async})
+    env = {"DISK": str(disk), "FILL_FILE": str(disk / "filler"), "FAULT_AT": "15"}
+    _in_namespace(_ON_SMALL_DISK, tmp_path, env)
     full = (tmp_path / "full.out").read_text()
     assert (tmp_path / "full.rc").read_text().strip() == "1", full
     assert "JSONDecodeError" not in full and "torch.distributed.elastic failed" not in full
@@ -177,6 +217,20 @@ def test_a_disk_that_fills_up_during_a_save(tmp_path: Path, use_async: bool) -> 
     assert (tmp_path / "resumed.rc").read_text().strip() == "0", resumed
     assert "resumed at step 10" in resumed
     assert "step-00000030/COMPLETE" in (tmp_path / "resumed.tree").read_text()
+
+
+def test_a_full_disk_at_metrics_jsonl_is_warned_of_and_the_run_goes_on(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, tmp_path / "runs")
+    result = run_train(
+        ["--config", str(spec)], tmp_path, env={"STORAGE_FAULT": "metrics-full", "FAULT_AT": "7"}
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Traceback" not in output
+    assert "metrics.jsonl: cannot write it (No space left on device); training goes on" in output
+    run = next((tmp_path / "runs" / "t").iterdir())
+    assert (run / "checkpoints" / "step-00000030" / "COMPLETE").is_file()
+    assert json.loads((run / "outcome.json").read_text())["status"] == "finished"
 
 
 @pytest.mark.parametrize("content", ["torn", "empty"])

@@ -25,6 +25,7 @@ NO_LOSS += "def build_dataset(split):\n    return []\n"
 RAISES = NO_LOSS + "def loss(model, batch):\n    return 0\n"
 RAISES = RAISES.replace("return torch.nn.Linear(2, 1)", "raise ValueError('my model is broken')")
 CORRUPT_META = b"\x80\x04not a pickle"
+SLURM = ["slurm", "--config", "run.yaml"]
 # Inputs that exhausted the machine: a file past the size limit, 300 levels of nesting, and an
 # alias bomb (10 values, each level 10 aliases of the one before: 10**9 once expanded).
 TOO_BIG = "#" * (5 * 1024 * 1024)
@@ -179,6 +180,27 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
     ("run-name-too-long", ["run.name=" + "x" * 300], {}, ["run.name", "at most 128"], 2),
     ("devices-not-yaml", ["--devices", "["], {}, ["--devices '[': invalid YAML"], 2),
     (
+        "slurm-partition-injection",
+        [*SLURM, "--nodes", "2", "--gpus-per-node", "1", "--partition", "gpu\ntouch pwned"],
+        {},
+        ["--partition 'gpu\\ntouch pwned'", "#SBATCH"],
+        2,
+    ),
+    (
+        "slurm-account-injection",
+        [*SLURM, "--nodes", "2", "--gpus-per-node", "1", "--account", "a --requeue=no"],
+        {},
+        ["--account", "#SBATCH"],
+        2,
+    ),
+    (
+        "slurm-time-injection",
+        [*SLURM, "--nodes", "1", "--gpus-per-node", "1", "--time", "1:00\nrm -rf ~"],
+        {},
+        ["--time", "#SBATCH"],
+        2,
+    ),
+    (
         "recipe-build-model-raises",
         ["recipe.source=raises.py", "recipe.dataset={}"],
         {"raises.py": RAISES},
@@ -195,7 +217,7 @@ def _snapshot(folder: Path) -> dict[Path, str]:
 # Refused while the spec and flags are read, before anything that differs between torch
 # versions runs: once is enough (`make test` runs them in .venv only).
 SPEC_ONLY = {
-    *(c[0] for c in CASES if c[0].startswith(("yaml-", "devices-", "config-"))),
+    *(c[0] for c in CASES if c[0].startswith(("yaml-", "devices-", "config-", "slurm-"))),
     "unknown-key",
     "unknown-section",
     "wrong-type",

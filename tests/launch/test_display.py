@@ -14,9 +14,9 @@ from launcher.launch.display import RunDisplay
 from launcher.launch.display.alerts import AlertDetector, looks_like_alert, may_hold_alerts
 from launcher.launch.display.coalesce import Coalescer
 from launcher.launch.display.lines import format_line
-from launcher.launch.display.sanitize import clean
 from launcher.launch.display.status import TelemetryBoard, format_elapsed, parse_telemetry
-from launcher.launch.display.tail import FileTail, MultiTail
+from launcher.launch.display.tail import CUT, MAX_PENDING_BYTES, FileTail, MultiTail
+from launcher.safe_text import clean
 
 # -- tailing ---------------------------------------------------------------------------
 
@@ -47,6 +47,23 @@ def test_tail_decodes_like_a_terminal(tmp_path):
     assert tail.read_lines() == ["bad \ufffd\ufffd bytes"]
     append(path, b"\xa9\n 10%\r 50%\r100%\n  spaces kept  \n")
     assert tail.read_lines() == ["café", "100%", "  spaces kept  "]
+
+
+def test_a_line_too_long_to_hold_is_shown_in_pieces_marked_as_cut(tmp_path):
+    """20 MiB without a newline: pieces, each marked; its end marked as never ended."""
+    path = tmp_path / "rank-0.log"
+    tail = FileTail(path)
+    append(path, b"x" * (20 << 20))
+    pieces = []
+    while lines := tail.read_lines():
+        pieces += lines
+    last = tail.flush()
+    assert len(pieces) >= 2 and all(p.endswith(CUT.decode()) for p in pieces)
+    assert last == ["x" * (MAX_PENDING_BYTES // 2)]  # then marked [no newline] on screen
+    shown = sum(len(p) - len(CUT) for p in pieces) + len(last[0])
+    assert shown == 20 << 20  # every byte, once
+    append(path, b"redrawn\r" * 300_000 + b"done\n")  # a progress bar: its newest state
+    assert all(not line.endswith(CUT.decode()) for line in tail.read_lines() + tail.flush())
 
 
 def test_tail_from_end_skips_what_an_earlier_run_left(tmp_path):

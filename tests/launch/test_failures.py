@@ -5,9 +5,12 @@ test checks the exit code, the message, the checkpoints and that no process is l
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launcher.launch.watchdog import Watchdog
+from launcher.rundir.layout import RunLayout
 from tests.conftest import (
     FAULTY_RECIPE,
     finish_train,
@@ -206,25 +210,201 @@ def test_rendezvous_listens_on_loopback_only_and_nothing_is_world_writable(
 
 
 def test_the_watchdog_allows_startup_longer_and_restarts_start_over(tmp_path: Path) -> None:
-    """The watchdog on heartbeat files alone: a rank gets 3 timeouts before its first step of
-    its own (building, restoring, compiling), 1 after, and a new pid starts it over."""
+    """The watchdog on heartbeat files alone: a rank gets 3 timeouts until it has finished a
+    step of its own (building, restoring, compiling), 1 after, and a new pid starts it over.
+    A step of its own is one past the step its heartbeat says it started from, however many
+    steps went by between two looks."""
     (tmp_path / "telemetry").mkdir()
     beat = tmp_path / "telemetry" / "rank-0.beat"
     watchdog = Watchdog(tmp_path, range(1), timeout_s=0.4)
 
-    def write(step: int, beats: int, pid: int) -> None:
-        beat.write_text(f"{step} {beats} {pid}\n")
+    def write(step: int, beats: int, pid: int, start: int) -> None:
+        beat.write_text(f"{step} {beats} {pid} {start}\n")
         assert watchdog.check() == []
 
-    write(0, 1, 111)  # started
-    write(40, 2, 111)  # restored at step 40: not a step of its own
+    write(0, 1, 111, -1)  # building
+    write(40, 2, 111, 40)  # restored at step 40: not a step of its own
     time.sleep(0.6)
     assert watchdog.check() == []  # 0.6 s < 3 x 0.4 s: still starting up
-    write(41, 3, 111)  # a first step...
-    write(42, 4, 111)  # ...and a second: now one timeout applies
+    write(60, 9, 111, 40)  # twenty steps since the last look: one timeout applies now
     time.sleep(0.6)
     [stall] = watchdog.check()
-    assert (stall.rank, stall.step) == (0, 42)
-    write(40, 1, 222)  # restarted: another process, starting up again
+    assert (stall.rank, stall.step) == (0, 60)
+    write(40, 1, 222, -1)  # restarted: another process, starting up again
     time.sleep(0.6)
     assert watchdog.check() == []
+
+
+def read_end(path: Path, size: int = 1 << 16) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+        return f.read().decode(errors="replace")
+
+
+def _peak_rss_mib(proc: subprocess.Popen[str], pid: int) -> float:
+    """The launcher process's peak resident memory until it exits, sampled every 10 ms."""
+    peak = 0.0
+    launcher = psutil.Process(pid)
+    while proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, launcher.memory_info().rss / 2**20)
+        time.sleep(0.01)
+    return peak
+
+
+@pytest.mark.parametrize("fault", ["flood", "flood-then-hang"])
+def test_a_flooded_log_costs_the_launcher_little_memory_when_it_reports(
+    tmp_path: Path, fault: str
+) -> None:
+    """A rank writes 500 MiB of log, then fails or hangs: the launcher reads the end of its
+    log for the report, not all of it (it peaked at over 2 GiB reading 1 GB whole)."""
+    spec = _spec(tmp_path)
+    flags = ["--stall-timeout", "3"] if fault == "flood-then-hang" else []
+    # Into a file: a pipe nobody drains while the memory is sampled would stall the display.
+    with open(tmp_path / "output.txt", "w") as output_file:
+        proc = start_train(
+            ["--config", str(spec), *flags],
+            tmp_path,
+            env={"FAULT": fault},
+            stdout=output_file,
+            stderr=subprocess.STDOUT,
+        )
+        peak = _peak_rss_mib(proc, proc.pid)
+        result = finish_train(proc, tmp_path)
+    output = read_end(tmp_path / "output.txt")
+    assert result.returncode == 1, output[-3000:]
+    if fault == "flood":
+        assert "RuntimeError: boom on rank 1 after a flood" in output
+    else:
+        assert "rank 1: no progress" in output and "faulty.py" in output
+    assert peak < 600, f"the launcher peaked at {peak:.0f} MiB"
+
+
+@pytest.mark.parametrize("hang_at", [3, 20])
+def test_a_hang_after_fast_steps_is_caught_in_one_stall_timeout(
+    tmp_path: Path, hang_at: int
+) -> None:
+    """Steps faster than the watchdog looks (it saw a step change once, or twice): a hang is
+    caught one stall_timeout after the last step, not three (the rank had surely stepped)."""
+    spec = _spec(tmp_path, log_every=50)
+    timeout = 6
+    proc = start_train(
+        ["--config", str(spec), "--stall-timeout", str(timeout), "checkpoint.every_n_steps=100"],
+        tmp_path,
+        env={"FAULT": "sleep", "FAULT_AT": str(hang_at)},
+    )
+    result = finish_train(proc, tmp_path)
+    ended = time.time()
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "rank 1: no progress" in output and f"after step {hang_at - 1}" in output, output
+    hung_at = (tmp_path / "sleeping").stat().st_mtime
+    print(f"caught and stopped {ended - hung_at:.1f} s after the hang")
+    assert ended - hung_at < 1.2 * timeout + 1.5, ended - hung_at  # + stopping the ranks
+
+
+BAD_SAMPLE_RECIPE = """
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Samples(Dataset):
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        if i == 77:
+            raise ValueError(f"sample {i} cannot be decoded")
+        return torch.ones(4) * i / 512, torch.zeros(1)
+
+
+def build_model():
+    return nn.Linear(4, 1)
+
+
+def build_dataset(split):
+    return Samples()
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+
+
+def test_an_error_in_a_dataloader_worker_shows_its_own_message_and_frame(tmp_path: Path) -> None:
+    (tmp_path / "bad_sample.py").write_text(BAD_SAMPLE_RECIPE)
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        recipe={"source": "bad_sample.py", "dataset": {}},
+        data={"batch_size": 8, "num_workers": 2, "shuffle": False},
+        train={"max_steps": 20},
+    )
+    result = run_train(["--config", str(spec)], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    panel = output[output.index("failed on") :]
+    assert "ValueError: sample 77 cannot be decoded" in panel, panel
+    assert "bad_sample.py" in panel and "in __getitem__" in panel, panel
+    assert "killed by signal" not in output, output
+
+
+def test_a_stopped_rank_is_named_stopped_not_stack_unknown(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, max_steps=1000)
+    proc = start_train(
+        ["--config", str(spec), "--stall-timeout", "3"], tmp_path, env={"FAULT": "slow"}
+    )
+    run_dir = _new_run_dir(tmp_path / "runs" / "t")
+    pid = wait_for_step(run_dir, 1, 3, proc)
+    os.kill(pid, signal.SIGSTOP)
+    result = finish_train(proc, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    line = next(x for x in output.splitlines() if x.startswith("rank 1: no progress"))
+    assert "its process is stopped (SIGSTOP" in line, output
+
+
+def test_ctrl_c_on_a_hung_run_ends_it_without_waiting_for_the_stall_timeout(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path)
+    proc = start_train(
+        ["--config", str(spec), "--stall-timeout", "120"],
+        tmp_path,
+        env={"FAULT": "sleep", "FAULT_AT": "8"},
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "sleeping").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
+    asked = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    result = finish_train(proc, tmp_path, timeout=60)
+    took = time.monotonic() - asked
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "stopped at once: after SIGINT, the ranks did not finish their step (hung)" in output
+    assert "rank 1: no progress" in output and "faulty.py" in output, output
+    assert took < 20, took  # the grace for a step (10 s), not the stall timeout (120 s)
+
+
+def test_a_run_folder_deleted_mid_run_is_named_and_the_run_stops_with_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path, max_steps=1000)
+    proc = start_train(
+        ["--config", str(spec), "--stall-timeout", "10", "checkpoint.every_n_steps=500"],
+        tmp_path,
+        env={"FAULT": "slow", "FAULT_RANK": "0"},
+    )
+    run_dir = _new_run_dir(tmp_path / "runs" / "t")
+    wait_for_step(run_dir, 0, 5, proc)
+    shutil.rmtree(run_dir)
+    result = finish_train(proc, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert f"the run folder {run_dir} was deleted or moved while the run ran" in output, output
+    assert "no progress" not in output  # not taken for a hang
+    assert f"Continue with: --resume {run_dir}" in output
+    assert RunLayout(run_dir).latest_complete() is not None  # in the new folder

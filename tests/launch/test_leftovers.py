@@ -230,3 +230,53 @@ def test_a_stop_requested_while_the_ranks_start_ends_them_before_a_step(tmp_path
     assert "stopped on request before the first step: nothing to save" in output
     assert not list((tmp_path / "run").glob("checkpoints/*")), output
     assert not left, output
+
+
+# Starts a daemon when imported (a session of its own, as a server would), by every process
+# that imports it: the launcher, to check it, and each worker.
+IMPORT_STARTS = """
+import os, subprocess
+from torch import nn
+from torch.utils.data import TensorDataset
+import torch
+
+daemon = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+with open(f"daemon-{os.getpid()}.pid", "w") as f:
+    f.write(str(daemon.pid))
+
+
+def build_model():
+    return nn.Linear(4, 1)
+
+
+def build_dataset(split):
+    return TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_a_process_a_recipe_starts_when_imported_ends_with_the_command(
+    tmp_path: Path, command: str
+) -> None:
+    (tmp_path / "server.py").write_text(IMPORT_STARTS)
+    spec = write_spec(
+        tmp_path / "run.yaml", recipe={"source": "server.py", "dataset": {}}, train={"max_steps": 2}
+    )
+    args = ["--config", str(spec)] if command == "train" else ["validate", "--config", str(spec)]
+    result = finish_train(start_train(args, tmp_path), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    daemons = [int(f.read_text()) for f in tmp_path.glob("daemon-*.pid")]
+    assert len(daemons) == (3 if command == "train" else 1)  # the launcher's, and each worker's
+    alive = [pid for pid in daemons if psutil.pid_exists(pid) and _running(pid)]
+    assert not alive, f"outlived `train {command}`: {alive}"
+
+
+def _running(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False

@@ -20,7 +20,7 @@ from launcher.launch.slurm import (
     from_environment,
     sbatch_script,
 )
-from tests.conftest import REPO, finish_train, run_train, start_train, write_spec
+from tests.conftest import REPO, finish_train, run_train, start_train, usage_error, write_spec
 
 
 @pytest.mark.parametrize(
@@ -236,3 +236,29 @@ def test_srun_train_needs_no_flags(tmp_path: Path) -> None:
     assert (
         tmp_path / "runs" / "t" / "5150" / "checkpoints" / "step-00000006" / "COMPLETE"
     ).is_file()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--partition", "gpu\ntouch pwned"),
+        ("--account", "lab\ntouch pwned"),
+        ("--time", "1:00:00\ntouch pwned"),
+        ("--partition", "gpu --requeue=no"),
+    ],
+)
+def test_a_value_that_would_break_out_of_its_sbatch_line_is_refused(
+    tmp_path: Path, flag: str, value: str
+) -> None:
+    """sbatch parses #SBATCH lines without a shell: a newline in a value would end them (so
+    --requeue and --signal were dropped) and run the rest of the line as a command."""
+    spec = write_spec(tmp_path / "run.yaml")
+    args = ["slurm", "--config", str(spec), "--nodes", "2", "--gpus-per-node", "1"]
+    result = run_train([*args, flag, value], cwd=tmp_path)
+    usage_error(result, flag, "#SBATCH")
+    assert "touch pwned\n" not in result.stdout
+    fine = run_train([*args, "--partition", "gpu-a100,gpu_h100", "--account", "ml.lab"], tmp_path)
+    assert fine.returncode == 0, fine.stderr
+    directives = [line for line in fine.stdout.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --partition=gpu-a100,gpu_h100" in directives
+    assert "#SBATCH --requeue" in directives and "#SBATCH --signal=TERM@120" in directives

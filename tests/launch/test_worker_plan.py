@@ -17,7 +17,7 @@ from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
-from tests.conftest import only_run_dir, run_train, write_spec
+from tests.conftest import REPO, only_run_dir, run_train, write_spec
 
 
 def _spec(tmp_path: Path, **launch: object) -> RunSpec:
@@ -82,3 +82,36 @@ def test_a_run_with_auto_values_records_what_it_resolved_them_to(tmp_path: Path)
     told = json.loads((run / "worker-plan.json").read_text())
     assert saved["launch"]["accelerator"] == told["accelerator"] == "cpu"
     assert saved["launch"] == told["spec"]["launch"]
+
+
+CHDIR_RECIPE = """
+import os
+from recipes_mlp import build_dataset, build_model as mlp, loss  # noqa: F401
+
+
+def build_model():
+    os.makedirs("elsewhere", exist_ok=True)
+    os.chdir("elsewhere")  # research code does this
+    return mlp()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_recipe_that_changes_its_working_directory_trains_on(tmp_path: Path) -> None:
+    """The paths a worker gets are absolute: the run folder given relative to the launch
+    folder is still found after the recipe's os.chdir()."""
+    (tmp_path / "recipes_mlp.py").write_text((REPO / "recipes" / "mlp.py").read_text())
+    (tmp_path / "wanders.py").write_text(CHDIR_RECIPE)
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        run={"name": "t", "output_dir": "runs"},
+        recipe={"source": "wanders.py", "dataset": {"n_samples": 512}},
+        train={"max_steps": 4},
+        checkpoint={"every_n_steps": 2},
+    )
+    result = run_train(["--config", str(spec)], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run_dir(tmp_path / "runs")
+    assert (run / "checkpoints" / "step-00000004" / "COMPLETE").is_file()
+    plan = json.loads(RunLayout.worker_plan(run).read_text())
+    assert Path(plan["run_dir"]).is_absolute()

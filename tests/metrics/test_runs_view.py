@@ -266,3 +266,55 @@ def test_plot_refuses_a_missing_metric_a_folder_and_a_missing_package(
     blocked = {"PYTHONPATH": str(tmp_path)}
     usage_error(cli("plot", folder, "--out", str(tmp_path / "x.png"), env=blocked), "[viz]")
     usage_error(cli("plot", folder, env=blocked), "plotext")
+
+
+def _hostile_copies(good: Path, top: Path) -> Path:
+    """Copies of a finished run, each with what a run (or anyone who can write into runs/)
+    may leave: NaN, Infinity and huge numbers in its metrics, an outcome with an infinite
+    exit code, escape codes and rich markup in folder names and reasons, a FIFO and
+    /dev/zero for a metrics file, and a link to a run beside it."""
+    runs = top / "runs" / "good"
+    runs.mkdir(parents=True)
+    numbers = shutil.copytree(good, runs / "[ablation]run1")
+    with (numbers / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 9, "loss": NaN}\n{"step": 10, "loss": Infinity}\n')
+        f.write('{"step": 11, "loss": ' + "9" * 400 + "}\n")
+    escapes = shutil.copytree(good, runs / "\x1b]8;;evil.example\x07esc\x1b[2J")
+    (escapes / "outcome.json").write_text(
+        json.dumps({"status": "stopped", "exit_code": 143, "ended": 2e9, "reason": "\x1b[2Jx"})
+    )
+    infinite = shutil.copytree(good, runs / "infinite")
+    (infinite / "outcome.json").write_text('{"status": "failed", "exit_code": 1e999, "ended": 1}')
+    fifo = shutil.copytree(good, runs / "fifo")
+    (fifo / "metrics.jsonl").unlink()
+    os.mkfifo(fifo / "metrics.jsonl")
+    zero = shutil.copytree(good, runs / "zero")
+    (zero / "metrics.jsonl").unlink()
+    (zero / "metrics.jsonl").symlink_to("/dev/zero")
+    (runs / "link").symlink_to(numbers)
+    return numbers
+
+
+def test_runs_and_plot_survive_what_a_run_folder_may_hold(
+    runs: tuple[Path, dict], tmp_path: Path
+) -> None:
+    out, _ = runs
+    good = listed(out, "good")["good"]
+    numbers = _hostile_copies(Path(good["folder"]), tmp_path)
+    table = cli("runs", "--output-dir", str(tmp_path / "runs"))
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert "\x1b" not in table.stdout + table.stderr
+    assert "[ablation]run1" in table.stdout  # shown as named, not taken for markup
+    assert table.stdout.count("[ablation]run1") == 1  # the link is no second run
+    rows = json.loads(cli("runs", "--output-dir", str(tmp_path / "runs"), "--json").stdout)
+    by_folder = {Path(row["folder"]).name: row for row in rows}
+    assert len(rows) == 5 and "link" not in by_folder, sorted(by_folder)
+    assert by_folder["[ablation]run1"]["last_loss"] == good["last_loss"]  # the last finite one
+    assert by_folder["infinite"]["status"] == "interrupted"  # its record cannot be read
+    assert by_folder["fifo"]["last_loss"] is None and by_folder["zero"]["last_loss"] is None
+    bad_metric = cli("plot", str(numbers), "--metric", "\x1b[2Jnope")
+    usage_error(bad_metric, "--metric \\x1b[2Jnope: no such metric")
+    assert "\x1b" not in bad_metric.stderr
+    if importlib.util.find_spec("plotext") is not None:
+        drawn = cli("plot", str(numbers))
+        assert drawn.returncode == 0, drawn.stderr  # NaN, Infinity and 10**400 left out

@@ -9,7 +9,7 @@ import re
 from collections.abc import Hashable
 from enum import Enum
 
-from launcher.launch.display.sanitize import strip_sgr
+from launcher.safe_text import strip_sgr
 
 _ALERT_PATTERNS = [
     r"\b(?:WARN|WARNING|ERROR|FATAL|CRITICAL)\b",

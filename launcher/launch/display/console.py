@@ -22,11 +22,11 @@ from rich.text import Text
 from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.display.alerts import AlertDetector, may_hold_alerts
 from launcher.launch.display.coalesce import Coalescer
-from launcher.launch.display.sanitize import decode
 from launcher.launch.display.sinks import PlainSink, TerminalSink
 from launcher.launch.display.status import TelemetryBoard
 from launcher.launch.display.tail import FileTail, MultiTail, decode_line, split_lines
 from launcher.rundir.layout import RunLayout
+from launcher.safe_text import decode
 
 POLL_S = 0.1
 REFRESH_PER_SECOND = 4

@@ -10,7 +10,7 @@ from rich.text import Text
 from launcher.launch.closed_output import reader_gone, stop_writing
 from launcher.launch.display.alerts import AlertDetector, may_hold_alerts
 from launcher.launch.display.lines import format_line, prefix
-from launcher.launch.display.sanitize import clean, clean_chunk
+from launcher.safe_text import clean, clean_chunk
 
 Group = tuple[Collection[int], str]  # the ranks that printed a line, and the line
 # A terminal shows at most this many lines of one burst, the first and the last; the rest is

@@ -17,6 +17,8 @@ READ_CHUNK_BYTES = 8 << 20
 # A "line" with no newline this long (e.g. a progress bar redrawn with \r) is emitted
 # anyway rather than buffered forever.
 MAX_PENDING_BYTES = 1 << 20
+# Ends each piece of such a line.
+CUT = b" [line cut: it goes on below]"
 
 
 def decode_line(raw: bytes) -> str:
@@ -52,7 +54,12 @@ class FileTail:
         cut = data.rfind(b"\n") + 1
         chunk, self._pending = data[:cut], data[cut:]
         if len(self._pending) > MAX_PENDING_BYTES:
-            chunk, self._pending = chunk + self._pending + b"\n", b""
+            # Shown in pieces, each marked as cut; the end is kept back, so that the line's last
+            # piece ends it, or is marked as never ended (a progress bar redrawn with \r shows
+            # its newest state instead, unmarked).
+            keep = MAX_PENDING_BYTES // 2
+            piece, self._pending = self._pending[:-keep], self._pending[-keep:]
+            chunk += piece + (b"" if b"\r" in piece else CUT) + b"\n"
         self.lines_read += chunk.count(b"\n")
         return chunk
 

@@ -76,6 +76,7 @@ bench: env
 	$(VENV)/bin/python bench/eval_cost.py
 	$(VENV)/bin/python bench/fsdp_overhead.py
 	$(VENV)/bin/python bench/cli_startup.py
+	$(VENV)/bin/python bench/failure_memory.py
 
 # bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
 # spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.

@@ -47,6 +47,12 @@ class LaunchPlan:
     # The YAML file as this launch read it: each checkpoint records it, so that the next resume
     # tells the keys edited since from those that were not (launcher.config.resume).
     config_file: dict[str, Any] | None = None
+    run_dir_given: bool = False  # by --run-dir: errors about the folder name the flag
+
+    @property
+    def folder_label(self) -> str:
+        """How errors name the run folder: by the flag that gave it, where one did."""
+        return f"{'--run-dir' if self.run_dir_given else 'run folder'} {self.run_dir}"
 
     @property
     def nproc(self) -> int:
@@ -129,6 +135,7 @@ def make_plan(
     layers: SpecLayers | None = None,  # what the user gave: a resume merges it onto the run's
 ) -> LaunchPlan:
     nodes = nodes or Nodes()
+    given_run_dir = run_dir
     run_dir, resume_from = _run_and_resume(spec, nodes, run_dir, resume)
     config_file = layers.yaml if layers is not None else None
     changes: tuple[str, ...] = ()
@@ -174,6 +181,7 @@ def make_plan(
         sources=sources,
         changes=changes,
         config_file=config_file,
+        run_dir_given=given_run_dir is not None,
     )
 
 

@@ -53,11 +53,11 @@ def _create(plan: LaunchPlan) -> None:
         plan.run_dir.mkdir(parents=True, exist_ok=not fresh, mode=0o755)
     except FileExistsError:
         folder_choice.check_is_folder(plan.run_dir)
-        raise UsageError(f"run folder {plan.run_dir}: appeared while starting; run again") from None
+        raise UsageError(f"{plan.folder_label}: appeared while starting; run again") from None
     except OSError as exc:
-        raise UsageError(f"run folder {plan.run_dir}: cannot create it ({exc.strerror})") from None
+        raise UsageError(f"{plan.folder_label}: cannot create it ({exc.strerror})") from None
     if not os.access(plan.run_dir, os.W_OK):
-        raise UsageError(f"run folder {plan.run_dir}: not writable")
+        raise UsageError(f"{plan.folder_label}: not writable")
 
 
 def _check_writable(folder: Path) -> None:
@@ -85,7 +85,7 @@ def _write_files(plan: LaunchPlan) -> None:
         within = where != plan.run_dir and where.is_relative_to(plan.run_dir)
         inside = f" {where.relative_to(plan.run_dir)}/" if within else ""
         raise UsageError(
-            f"run folder {plan.run_dir}: cannot write in{inside or ' it'} ({exc.strerror})",
+            f"{plan.folder_label}: cannot write in{inside or ' it'} ({exc.strerror})",
             hint="Make it writable (a read-only mount, or permissions), or resume into "
             "another folder: --resume CHECKPOINT --run-dir NEW_FOLDER.",
         ) from None

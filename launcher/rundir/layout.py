@@ -14,6 +14,7 @@ This module is the one owner of the layout; no other module joins run-folder pat
       metrics.jsonl              rank 0's metrics, averaged over every rank
       summary.json               rank 0's timings at the end
       outcome.json               how the run ended: status, exit code, when (the launcher)
+      .outcome.reserve           room for outcome.json, held while the run runs
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
       nodes/NAME/                a node's (or TPU host's) own files when several share RUN_DIR
       xla_cache/                 XLA's persistent compile cache (TPU)
@@ -117,6 +118,11 @@ class RunLayout:
     @property
     def outcome(self) -> Path:
         return self.root / "outcome.json"
+
+    @property
+    def outcome_reserve(self) -> Path:
+        """Disk space held while the run runs, for outcome.json on a disk that filled up."""
+        return self.root / ".outcome.reserve"
 
     @property
     def lock(self) -> Path:
@@ -246,7 +252,7 @@ class RunLayout:
         startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
         startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
-        startup.append(self.outcome)  # an attempt that never trained records its end
+        startup += [self.outcome, self.outcome_reserve]  # an attempt that never trained ends
         if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
             startup.append(self.checkpoints)  # made, and found writable, at the start
         return any(p not in startup for p in self.root.iterdir())

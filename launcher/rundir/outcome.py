@@ -31,6 +31,8 @@ from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import read_head
 
 STATUSES = ("finished", "failed", "stopped")
+# Held in the run folder while the run runs: more than a record takes.
+RESERVED_BYTES = 16384
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,10 @@ class OutcomeRecorder:
     def __enter__(self) -> OutcomeRecorder:
         if self.enabled:
             self.layout.outcome.unlink(missing_ok=True)
+            # Room for the record, held from the start: a disk that fills up during the run
+            # would leave none for it at the end.
+            with contextlib.suppress(OSError):
+                self.layout.outcome_reserve.write_bytes(b"\0" * RESERVED_BYTES)
         return self
 
     def record(self, exit_code: int, stopped: bool = False, reason: str = "") -> None:
@@ -88,11 +94,17 @@ class OutcomeRecorder:
             return
         outcome = RunOutcome(status, exit_code, round(time.time(), 3), self.started, reason)
         record = {**asdict(outcome), "host": socket.gethostname(), "pid": os.getpid()}
-        path = self.layout.outcome
-        # A failed write changes nothing of the run's own result (`train runs` then calls it
-        # interrupted).
+        text = json.dumps(record, indent=1) + "\n"
+        try:
+            write_atomic(self.layout.outcome, text)
+        except OSError:  # a full disk: the reserve's room is the record's
+            self.layout.outcome_reserve.unlink(missing_ok=True)
+            # Should it fail again, the run's own result is unchanged (`train runs` then
+            # calls it interrupted).
+            with contextlib.suppress(OSError):
+                write_atomic(self.layout.outcome, text)
         with contextlib.suppress(OSError):
-            write_atomic(path, json.dumps(record, indent=1) + "\n")
+            self.layout.outcome_reserve.unlink(missing_ok=True)
 
     def __exit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
         if self.done or kind is None:

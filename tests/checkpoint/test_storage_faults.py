@@ -59,8 +59,8 @@ def fill_disk(path):
     except OSError:
         pass
     os.close(fd)
-    # 256 KB left: room for log lines, not for a checkpoint.
-    os.truncate(path, os.path.getsize(path) - 256 * 1024)
+    # 256 KB left (FILL_LEAVE_KB): room for log lines, not for a checkpoint.
+    os.truncate(path, os.path.getsize(path) - int(os.environ.get("FILL_LEAVE_KB", "256")) * 1024)
 
 
 def loss(model, batch):
@@ -194,6 +194,30 @@ def test_a_read_only_checkpoints_folder_is_refused_before_any_step(tmp_path: Pat
     assert ": cannot write in checkpoints/ (Read-only file system)" in resumed, resumed
     assert resumed.startswith("error: run folder ")  # not "--run-dir": none was given
     assert "Traceback" not in resumed and "step 21" not in resumed
+
+
+_ON_A_DISK_LEFT_FULL = """
+mount -t tmpfs -o size=8m tmpfs "$DISK" || exit 77
+"$TRAIN" --config run.yaml > full.out 2>&1
+echo $? > full.rc
+cat "$DISK"/runs/t/*/outcome.json > outcome.json
+ls -A "$DISK"/runs/t/* > folder.txt
+"""
+
+
+def test_a_run_whose_disk_is_left_full_still_records_how_it_ended(tmp_path: Path) -> None:
+    _skip_without_namespaces()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _spec(tmp_path, disk / "runs")
+    env = {"DISK": str(disk), "FILL_FILE": str(disk / "filler"), "FILL_LEAVE_KB": "0"}
+    _in_namespace(_ON_A_DISK_LEFT_FULL, tmp_path, {**env, "STORAGE_FAULT": "fill", "FAULT_AT": "5"})
+    full = (tmp_path / "full.out").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() == "1", full
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and outcome["exit_code"] == 1, outcome
+    folder = (tmp_path / "folder.txt").read_text().split()
+    assert not [name for name in folder if name.startswith(".outcome")], folder
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])

@@ -240,7 +240,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 import torch
 
-daemon = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+daemon = subprocess.Popen(
+    ["sleep", "1000"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+)
 with open(f"daemon-{os.getpid()}.pid", "w") as f:
     f.write(str(daemon.pid))
 

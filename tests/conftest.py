@@ -149,7 +149,7 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen[st
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"train ended early: {proc.communicate()}"
         parts = beat.read_text().split() if beat.exists() else []
-        if len(parts) == 4 and int(parts[0]) >= step:
+        if len(parts) == 5 and int(parts[0]) >= step:
             return int(parts[2])
         time.sleep(0.05)
     pytest.fail(f"rank {rank} did not reach step {step}")

@@ -163,7 +163,10 @@ def _check_sizes(entries: dict[str, Any], checkpoint: Path) -> None:
         for md in entries.values()
         if isinstance(md, TensorStorageMetadata)
     )
-    held = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+    try:
+        held = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+    except OSError as exc:  # removed while read (a running run's rotation), say
+        raise UsageError(f"{COMMAND} {checkpoint}: cannot read it ({exc.strerror})") from None
     if claimed > held:
         raise UsageError(
             f"{COMMAND} {checkpoint}: its .metadata claims {_human_bytes(claimed)} of model "

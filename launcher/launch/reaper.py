@@ -85,7 +85,10 @@ def children_reaped() -> Iterator[None]:
     """Nothing started inside outlives it: for code the launcher runs in its own process, as
     when it imports a recipe to check it (a module may start a server when imported). The
     cookie marks what is started meanwhile, and this process reaps it on the way out."""
+    import psutil
+
     cookie, outer = uuid.uuid4().hex, os.environ.get(COOKIE)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     os.environ[COOKIE] = cookie
     try:
         yield
@@ -94,6 +97,13 @@ def children_reaped() -> Iterator[None]:
             os.environ.pop(COOKIE, None)
         else:
             os.environ[COOKIE] = outer
+        # A forked child (multiprocessing, os.fork) carries the environment it was exec'd
+        # with, not the cookie: the new children of this process are ended by name.
+        forked = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        for child in forked:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        psutil.wait_procs(forked, timeout=5.0)
         reap(cookie, spare={os.getpid()}, timeout_s=5.0)
 
 

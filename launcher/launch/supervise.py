@@ -40,6 +40,7 @@ class Outcome:
     stalls: list[Stall] = field(default_factory=list)
     untrained: bool = False  # stopped before any rank finished a step: nothing to save
     folder_gone: bool = False  # the run folder was deleted or moved while the run ran
+    killed: bool = False  # the workers were killed (the agent's thread may be inside torch)
 
     @property
     def exit_code_of_signal(self) -> int:
@@ -48,7 +49,7 @@ class Outcome:
     @property
     def at_once(self) -> bool:
         """Whether the workers were killed: the elastic agent's thread may still be in torch."""
-        return self.signals >= 2 or bool(self.stalls) or self.untrained
+        return self.signals >= 2 or bool(self.stalls) or self.untrained or self.killed
 
 
 def supervise(
@@ -66,7 +67,7 @@ def supervise(
             agent.join(0.2)
             if folder.gone() and not folder.stop_in_new_folder(stop_request, console):
                 kill_workers(spare)
-                return Outcome(None, signals.received, signals.name, folder_gone=True)
+                return Outcome(None, signals.received, signals.name, folder_gone=True, killed=True)
             if signals.received == 1 and not signals.forwarded:
                 signals.forwarded = True
                 if view.untrained():
@@ -96,17 +97,26 @@ class FolderWatch:
         self.run_dir = run_dir
         self.identity = self._identity()
         self.said = False
+        self._missed = 0  # looks in a row that found another folder, or none
 
     def _identity(self) -> tuple[int, int] | None:
+        """The folder's (device, inode); None where there is none. Any other error (a
+        network file system's ESTALE or EIO) says nothing: the folder is taken to be there."""
         try:
             info = os.stat(self.run_dir)
-        except OSError:
+        except FileNotFoundError:
             return None
+        except OSError:
+            return self.identity
         return info.st_dev, info.st_ino
 
     def gone(self) -> bool:
-        """Whether it went away just now (said once)."""
-        return not self.said and self.identity is not None and self._identity() != self.identity
+        """Whether it went away (said once): two looks in a row, so that a network file
+        system's passing hiccup is not taken for it."""
+        if self.said or self.identity is None:
+            return False
+        self._missed = self._missed + 1 if self._identity() != self.identity else 0
+        return self._missed >= 2
 
     def stop_in_new_folder(self, stop_request: Path, console: Console) -> bool:
         """Makes a new folder at the run folder's path and asks the ranks to stop there: each

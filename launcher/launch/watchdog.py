@@ -40,6 +40,7 @@ class RankState:
     seen: float  # launcher clock when the heartbeat last changed
     beat: Beat | None = None
     longest_gap: float = 0.0  # between two heartbeats of its own steps: its slowest step
+    gaps: int = 0  # how many such gaps were seen
 
     @property
     def stepped(self) -> bool:
@@ -80,11 +81,16 @@ class Watchdog:
         """A stop was asked for `asked_s` seconds ago: every rank finishes the step it is in,
         saves and stops. The ranks, if one of them has not finished that step within `grace_s`
         or 4 of its slowest steps: it is hung, and nothing will be saved. Catches a hung run
-        at Ctrl-C without waiting for the stall timeout."""
+        at Ctrl-C without waiting for the stall timeout. Only for a rank in a step whose step
+        time is known (two steps seen): one saving or evaluating has the stall timeout."""
         self._update()
         asked_at = time.monotonic() - asked_s
         late = any(
-            s.stepped and s.seen < asked_at and asked_s > max(grace_s, 4 * s.longest_gap)
+            s.gaps >= 2  # its step time is known
+            and s.beat is not None
+            and not s.beat.busy  # saving or evaluating takes as long as it takes
+            and s.seen < asked_at
+            and asked_s > max(grace_s, 4 * s.longest_gap)
             for s in self.ranks.values()
         )
         return self._stalls(grace_s / 2) if late else []
@@ -96,6 +102,9 @@ class Watchdog:
                 continue
             if state.stepped and state.beat is not None and beat.pid == state.beat.pid:
                 state.longest_gap = max(state.longest_gap, now - state.seen)
+                state.gaps += 1
+            elif state.beat is None or beat.pid != state.beat.pid:  # a new process
+                state.longest_gap, state.gaps = 0.0, 0
             state.beat, state.seen = beat, now
 
     def _stalls(self, idle_s: float) -> list[Stall]:

@@ -3,7 +3,7 @@
 Workers write (paths: `launcher.rundir.layout`):
 - their status records (telemetry/rank-N.jsonl), each with its pid: the live table;
 - their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
-  and save (`step beats pid start`, `Beat`): what the launcher's hang watchdog follows;
+  and save (`step beats pid start busy`, `Beat`): what the launcher's hang watchdog follows;
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
 - rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json);
   each metrics record also goes to rank 0's sinks (`launcher.metrics.sinks`: TensorBoard's
@@ -47,18 +47,20 @@ class Beat(NamedTuple):
     beats: int  # heartbeats so far: each one is news
     pid: int  # of the process: another one is a restart
     start: int  # the step this process started training from; -1 while it builds and restores
+    busy: bool = False  # saving or evaluating: between steps, for as long as that takes
 
     @property
     def stepped(self) -> bool:
-        """Whether this process has finished a step of its own (not one it restored)."""
-        return 0 <= self.start < self.step
+        """Whether this process has finished two steps of its own (not one it restored): the
+        first steps may compile (XLA compiles the second step's graph again)."""
+        return self.start >= 0 and self.start + 1 < self.step
 
 
 def read_beat(path: Path) -> Beat | None:
     """A heartbeat file's record, or None while there is none."""
     try:
-        step, beats, pid, start = (read_head(path, 256) or b"").split()
-        return Beat(int(step), int(beats), int(pid), int(start))
+        step, beats, pid, start, busy = (read_head(path, 256) or b"").split()
+        return Beat(int(step), int(beats), int(pid), int(start), busy == b"1")
     except ValueError:
         return None
 
@@ -98,10 +100,10 @@ class Telemetry:
 
             self._sinks = BackgroundWriter(sinks)
 
-    def beat(self, step: int) -> None:
-        """The heartbeat: alive, and step `step` is done."""
+    def beat(self, step: int, busy: bool = False) -> None:
+        """The heartbeat: alive, and step `step` is done; `busy`: saving or evaluating."""
         self._beats += 1
-        record = f"{step:>12} {self._beats:>12} {os.getpid():>10} {self._start:>12}\n"
+        record = f"{step:>12} {self._beats:>12} {os.getpid():>10} {self._start:>12} {busy:d}\n"
         os.pwrite(self._beat, record.encode(), 0)
 
     def start_from(self, step: int) -> None:
@@ -194,8 +196,10 @@ class Telemetry:
 
 
 def _warn(what: str) -> None:
-    # One line on this rank's stderr (its log and the display), as the sinks' warnings.
-    print(f"WARNING: {what}", file=sys.stderr, flush=True)
+    # One line on this rank's stderr (its log and the display), as the sinks' warnings; a log
+    # on the same full disk takes none, and that must not fail the run either.
+    with contextlib.suppress(OSError):
+        print(f"WARNING: {what}", file=sys.stderr, flush=True)
 
 
 def record_failure(run_dir: Path, rank: int) -> None:

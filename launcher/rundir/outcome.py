@@ -48,6 +48,8 @@ def read_outcome(layout: RunLayout) -> RunOutcome | None:
     """The recorded outcome, or None: none was written, or it cannot be read."""
     try:
         record = json.loads(read_head(layout.outcome, 1 << 16) or b"")
+        if not isinstance(record, dict):
+            return None
         started = record.get("started")
         outcome = RunOutcome(
             status=str(record["status"]),
@@ -84,7 +86,8 @@ class OutcomeRecorder:
             # Room for the record, held from the start: a disk that fills up during the run
             # would leave none for it at the end.
             with contextlib.suppress(OSError):
-                self.layout.outcome_reserve.write_bytes(b"\0" * RESERVED_BYTES)
+                # Random: zeros take no room on a file system that compresses (ZFS, btrfs).
+                self.layout.outcome_reserve.write_bytes(os.urandom(RESERVED_BYTES))
         return self
 
     def record(self, exit_code: int, stopped: bool = False, reason: str = "") -> None:

@@ -186,7 +186,9 @@ class Trainer:
         assert self.evaluator is not None
         step = self.progress.step
         started = time.perf_counter()
-        metrics = self.evaluator.run(self.model, step, lambda: self.telemetry.beat(step))
+        self.telemetry.beat(step, busy=True)
+        metrics = self.evaluator.run(self.model, step, lambda: self.telemetry.beat(step, busy=True))
+        self.telemetry.beat(step)
         seconds = time.perf_counter() - started
         self.state.window.restart_clock()  # the evaluation is not training throughput
         self.report.evaluation(step, self.progress.epoch, metrics, seconds)
@@ -280,9 +282,10 @@ class Trainer:
         self._check_finite()
         # The check cut XLA's graph: the checkpoint must record the streams from before it.
         self.strategy.set_rng_state(rng)
+        self.telemetry.beat(self.progress.step, busy=True)  # a long save is not a hang
         self.checkpointer.save(self.progress.step)
         self.saved_at = self.progress.step
-        self.telemetry.beat(self.progress.step)  # a long save is not a hang
+        self.telemetry.beat(self.progress.step)
         self.strategy.set_rng_state(rng)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
 

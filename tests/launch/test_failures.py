@@ -219,7 +219,7 @@ def test_the_watchdog_allows_startup_longer_and_restarts_start_over(tmp_path: Pa
     watchdog = Watchdog(tmp_path, range(1), timeout_s=0.4)
 
     def write(step: int, beats: int, pid: int, start: int) -> None:
-        beat.write_text(f"{step} {beats} {pid} {start}\n")
+        beat.write_text(f"{step} {beats} {pid} {start} 0\n")
         assert watchdog.check() == []
 
     write(0, 1, 111, -1)  # building
@@ -233,6 +233,35 @@ def test_the_watchdog_allows_startup_longer_and_restarts_start_over(tmp_path: Pa
     write(40, 1, 222, -1)  # restarted: another process, starting up again
     time.sleep(0.6)
     assert watchdog.check() == []
+
+
+def test_after_a_stop_only_a_rank_in_a_step_of_known_length_gets_the_short_grace(
+    tmp_path: Path,
+) -> None:
+    """After Ctrl-C a rank has the grace (or 4 of its slowest steps) to finish the step it is
+    in; one that is saving or evaluating, or whose step time is not known yet, is left to the
+    stall timeout."""
+    (tmp_path / "telemetry").mkdir()
+    beat = tmp_path / "telemetry" / "rank-0.beat"
+    watchdog = Watchdog(tmp_path, range(1), timeout_s=100)
+
+    def write(step: int, busy: int = 0, pause: float = 0.03) -> None:
+        beat.write_text(f"{step} {step + busy} 111 0 {busy}\n")
+        assert watchdog.check() == []
+        time.sleep(pause)
+
+    write(1)
+    write(2)
+    write(3)
+    assert watchdog.check_after_stop(asked_s=5, grace_s=0.2) == []  # one gap seen: unknown
+    write(4)
+    write(5, pause=0.5)
+    [stall] = watchdog.check_after_stop(asked_s=0.3, grace_s=0.2)  # in step 6, 0.3 s > 4 x 0.03
+    assert stall.step == 5
+    write(6, busy=1, pause=0.5)  # saving when the stop came
+    assert watchdog.check_after_stop(asked_s=0.3, grace_s=0.2) == []
+    write(7, pause=0.5)  # a step of 0.5 s: 4 of them is the grace now
+    assert watchdog.check_after_stop(asked_s=0.3, grace_s=0.2) == []
 
 
 def read_end(path: Path, size: int = 1 << 16) -> str:
@@ -372,7 +401,7 @@ def test_ctrl_c_on_a_hung_run_ends_it_without_waiting_for_the_stall_timeout(
     proc = start_train(
         ["--config", str(spec), "--stall-timeout", "120"],
         tmp_path,
-        env={"FAULT": "sleep", "FAULT_AT": "8"},
+        env={"FAULT": "sleep", "FAULT_AT": "20"},
     )
     deadline = time.monotonic() + 120
     while not (tmp_path / "sleeping").exists() and time.monotonic() < deadline:

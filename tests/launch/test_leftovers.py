@@ -232,10 +232,10 @@ def test_a_stop_requested_while_the_ranks_start_ends_them_before_a_step(tmp_path
     assert not left, output
 
 
-# Starts a daemon when imported (a session of its own, as a server would), by every process
-# that imports it: the launcher, to check it, and each worker.
+# Starts a daemon when imported (a session of its own, as a server would) and forks a child,
+# in every process that imports it: the launcher, to check it, and each worker.
 IMPORT_STARTS = """
-import os, subprocess
+import os, subprocess, time
 from torch import nn
 from torch.utils.data import TensorDataset
 import torch
@@ -243,8 +243,14 @@ import torch
 daemon = subprocess.Popen(
     ["sleep", "1000"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
 )
+forked = os.fork()  # as multiprocessing does: no exec, so it keeps its parent's environment
+if forked == 0:
+    os.setsid()
+    os.closerange(0, 1024)
+    time.sleep(1000)
+    os._exit(0)
 with open(f"daemon-{os.getpid()}.pid", "w") as f:
-    f.write(str(daemon.pid))
+    f.write(f"{daemon.pid} {forked}")
 
 
 def build_model():
@@ -272,8 +278,9 @@ def test_a_process_a_recipe_starts_when_imported_ends_with_the_command(
     args = ["--config", str(spec)] if command == "train" else ["validate", "--config", str(spec)]
     result = finish_train(start_train(args, tmp_path), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    daemons = [int(f.read_text()) for f in tmp_path.glob("daemon-*.pid")]
-    assert len(daemons) == (3 if command == "train" else 1)  # the launcher's, and each worker's
+    files = list(tmp_path.glob("daemon-*.pid"))
+    assert len(files) == (3 if command == "train" else 1)  # the launcher's, and each worker's
+    daemons = [int(pid) for f in files for pid in f.read_text().split()]
     alive = [pid for pid in daemons if psutil.pid_exists(pid) and _running(pid)]
     assert not alive, f"outlived `train {command}`: {alive}"
 

@@ -300,8 +300,11 @@ def test_a_flooded_log_costs_the_launcher_little_memory_when_it_reports(
         )
         peak = _peak_rss_mib(proc, proc.pid)
         result = finish_train(proc, tmp_path)
-    output = read_end(tmp_path / "output.txt")
+    # The end of the output, and more: a display that gave up draining the flood may still be
+    # writing one block (8 MiB) of it around the report's lines.
+    output = read_end(tmp_path / "output.txt", 32 << 20)
     assert result.returncode == 1, output[-3000:]
+    output = "\n".join(line for line in output.splitlines() if not line.endswith("xxxx"))
     if fault == "flood":
         assert "RuntimeError: boom on rank 1 after a flood" in output
     else:

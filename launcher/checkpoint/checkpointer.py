@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from launcher.checkpoint.format import check_matches, read_meta, weights_only_planner
+from launcher.checkpoint.format import (
+    check_matches,
+    loaded_keys,
+    read_meta,
+    saved_with,
+    weights_only_planner,
+)
 from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
@@ -141,6 +147,8 @@ class Checkpointer:
         """Collective: restores every state from the checkpoint at `path`. Returns whether this
         rank's own streams continue (False: saved with another world size)."""
         state = self.model.state_dict()
+        if "ema" in state and not saved_with(path, "ema."):
+            del state["ema"]  # train.ema is new: the average starts from the loaded weights
         own = load(path, state, self.strategy)
         self.model.load_state_dict(state)
         self.train.load_state_dict(read_meta(path), own)
@@ -235,6 +243,7 @@ def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any
     # Loaded as `{"model.a.weight": ..., "optim.param_groups.0.lr": ...}`, the keys DCP's
     # default planner writes, so that planners that flatten less (XLA's SPMD ones) find them.
     flat, mapping = flatten_state_dict(state)
+    flat = loaded_keys(flat)
     with _quiet_dcp():
         planner = strategy.load_planner() or weights_only_planner()
         dcp.load(flat, checkpoint_id=path, planner=planner)

@@ -20,16 +20,17 @@ from typing import Any
 import torch
 
 from launcher.checkpoint.format import read_metadata, weights_only_planner
+from launcher.checkpoint.weights_source import FORMATS
 from launcher.errors import UsageError
+from launcher.parallel.wrapper_names import without_wrappers
 from launcher.rundir.atomic import write_new
 from launcher.rundir.layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
 
 COMMAND = "train export"
 # Reads of a run's newest checkpoint, each one removed by the run while it was read.
 _ATTEMPTS = 5
-# The writer each accepted suffix gets.
-FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 _MODEL = "model."  # DCP's flattened keys of the state's "model" entry
+_EMA = "ema."  # and of the weights' average (`train.ema`), by the bare model's names
 # torch_xla's FSDPv2 (`xla_fsdp`) keeps the model as this attribute of its wrapper, so its
 # checkpoints' keys read `model._orig_module.0.weight`; the bare model knows `0.weight`.
 _WRAPPERS = ("_orig_module",)
@@ -61,13 +62,14 @@ class Exported:
         return "\n".join(lines)
 
 
-def export(source: Path, out: Path, *, best: bool = False) -> Exported:
-    """Writes the model of the checkpoint `source` names to `out`, never overwriting it."""
+def export(source: Path, out: Path, *, best: bool = False, ema: bool = False) -> Exported:
+    """Writes the model of the checkpoint `source` names to `out`, never overwriting it;
+    with `ema`, the weights' average (`train.ema`) in place of the trained weights."""
     check_out(out)  # before reading anything: a wrong --out costs nothing
     for attempt in range(1, _ATTEMPTS + 1):
         checkpoint, chosen = resolve_source(source, best=best)
         try:
-            state, skipped = load_model_state(checkpoint)
+            state, skipped = load_model_state(checkpoint, ema=ema)
             break
         except UsageError:
             # A running run that keeps few checkpoints may remove this one while it is read:
@@ -126,15 +128,21 @@ def resolve_source(source: Path, *, best: bool = False) -> tuple[Path, Best | No
     return checkpoint_in(source, COMMAND), None
 
 
-def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+def load_model_state(
+    checkpoint: Path, ema: bool = False
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The model's tensors, whole, keyed as the bare model's `state_dict`, and the model
-    entries that are not tensors (left out: they would need unpickling)."""
+    entries that are not tensors (left out: they would need unpickling). With `ema`, each
+    averaged parameter's average (`ema.<name>`) in place of its trained value; buffers and
+    frozen parameters, which are not averaged, are the model's."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     # The restricted unpickler reads .metadata first: DCP's own reader unpickles it with
     # plain pickle, so an unsafe one must be refused before DCP sees it.
     saved = read_metadata(checkpoint, COMMAND).state_dict_metadata
     entries = {k: v for k, v in saved.items() if k.startswith(_MODEL)}
+    if ema:
+        entries.update(_averages(saved, checkpoint))
     _check_sizes(entries, checkpoint)
     # Whole tensors at the saved (global) sizes: DCP fills each from every shard that
     # overlaps it, whatever world size and strategy wrote them.
@@ -146,11 +154,25 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[st
     skipped = sorted(entries.keys() - state.keys())
     if not state:
         raise UsageError(f"{COMMAND} {checkpoint}: the checkpoint holds no model tensors")
-    _fill(state, checkpoint)
+    read_tensors(state, checkpoint, COMMAND)
+    if ema:  # the averages replace the trained values of the same names
+        state = {key: state.get(_EMA + bare_key(key), value) for key, value in state.items()
+                 if not key.startswith(_EMA)}  # fmt: skip
     bare = {bare_key(key): tensor for key, tensor in state.items()}
     if len(bare) != len(state):
         raise UsageError(f"{COMMAND} {checkpoint}: two model keys differ only by a wrapper")
     return bare, [key.removeprefix(_MODEL) for key in skipped]
+
+
+def _averages(saved: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's `ema.<name>` entries (`train.ema`), or a UsageError."""
+    averages = {k: v for k, v in saved.items() if k.startswith(_EMA)}
+    if not averages:
+        raise UsageError(
+            f"{COMMAND} {checkpoint} --ema: this checkpoint holds no average of the weights",
+            hint="Its run did not set train.ema; export without --ema.",
+        )
+    return averages
 
 
 def _check_sizes(entries: dict[str, Any], checkpoint: Path) -> None:
@@ -175,22 +197,30 @@ def _check_sizes(entries: dict[str, Any], checkpoint: Path) -> None:
         )
 
 
-def _fill(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    """Reads the checkpoint's values into `state`'s tensors, in this process alone."""
+def read_tensors(
+    state: dict[str, torch.Tensor], checkpoint: Path, what: str, planner: Any = None
+) -> None:
+    """Reads the checkpoint's values into `state`'s tensors (DCP's flat keys: `model.0.weight`),
+    in this process alone: a sharded tensor (a DTensor) reads only its own shard. `what` names
+    the command or key that was given the checkpoint; `planner`: the strategy's (default DCP's,
+    weights only)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     unreadable = (CheckpointException, OSError, EOFError, RuntimeError, pickle.UnpicklingError)
+    planner = planner or weights_only_planner()
     with warnings.catch_warnings():
         # Said on every load without a process group, which is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # torch_xla 2.9's SPMD planner (`load.weights` under xla_fsdp), on its own old calls.
+        warnings.filterwarnings("ignore", message="Using a non-tuple sequence")
         try:
-            dcp.load(state, checkpoint_id=checkpoint, planner=weights_only_planner(), no_dist=True)
+            dcp.load(state, checkpoint_id=checkpoint, planner=planner, no_dist=True)
         except unreadable as exc:
             # A missing or truncated shard file: the input's fault, not a bug (--debug shows
             # the traceback underneath).
             raise UsageError(
-                f"{COMMAND} {checkpoint}: cannot read the model's tensors ({_cause(exc)})"
+                f"{what} {checkpoint}: cannot read the model's tensors ({_cause(exc)})"
             ) from exc
 
 
@@ -204,8 +234,7 @@ def _cause(exc: BaseException) -> str:
 
 def bare_key(key: str) -> str:
     """`model._orig_module.0.weight` -> `0.weight`: the key the recipe's own model has."""
-    parts = key.removeprefix(_MODEL).split(".")
-    return ".".join(p for p in parts if p not in _WRAPPERS)
+    return without_wrappers(key.removeprefix(_MODEL), _WRAPPERS)
 
 
 def write_state_dict(state: dict[str, torch.Tensor], out: Path) -> None:

@@ -11,18 +11,47 @@ from torch import nn
 from launcher.parallel.base import Strategy
 
 
-class ModelState:
-    """Model, optimizer and precision state, as torch.distributed.checkpoint saves them:
-    each rank writes its own shards."""
+class WeightAverage(Protocol):
+    """`train.ema`'s average of the weights (`launcher.worker.ema.WeightAverage`)."""
 
-    def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def restart(self) -> None: ...
+
+
+class ModelState:
+    """Model, optimizer and precision state, and the weights' average (`train.ema`) where
+    there is one, as torch.distributed.checkpoint saves them: each rank writes its own
+    shards."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        average: WeightAverage | None = None,
+    ) -> None:
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.average = average
 
     def state_dict(self) -> dict[str, Any]:
-        return self.strategy.state_dict(self.model, self.optimizer)
+        state = self.strategy.state_dict(self.model, self.optimizer)
+        if self.average is not None:
+            state["ema"] = self.average.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`state` without an `ema` entry, where the run has an average: the checkpoint has
+        none (`train.ema` was set on resume), so it starts from the loaded weights."""
         self.strategy.load_state_dict(self.model, self.optimizer, state)
+        if self.average is None:
+            return
+        if "ema" in state:
+            self.average.load_state_dict(state["ema"])
+        else:
+            self.average.restart()
 
 
 class LoopState(Protocol):

@@ -32,6 +32,13 @@ def export_command(
             "--best", help="Export the run's best checkpoint by checkpoint.monitor instead."
         ),
     ] = False,
+    ema: Annotated[
+        bool,
+        typer.Option(
+            "--ema",
+            help="Export the weights' average (train.ema) instead of the trained weights.",
+        ),
+    ] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Write a checkpoint's model as one file that plain PyTorch loads: the whole, unsharded
@@ -40,7 +47,7 @@ def export_command(
     def write_file() -> int:
         from launcher.checkpoint.export import export
 
-        typer.echo(export(source, out, best=best).describe())
+        typer.echo(export(source, out, best=best, ema=ema).describe())
         return 0
 
     run_guarded(write_file, debug)

@@ -37,10 +37,13 @@ def run_guarded(fn: Callable[[], int], debug: bool) -> None:
 
 
 def flag_help(key: str) -> str:
-    """A `launch.*` flag's help: the spec key's own description, its one source of truth."""
-    from launcher.config.spec import LaunchSection
+    """A flag's help: its spec key's own description, its one source of truth. `key`: a
+    `launch.*` key's name, or a dotted key (`load.weights`)."""
+    from launcher.config.spec import RunSpec
 
-    return LaunchSection.model_fields[key].description or ""
+    section, _, name = key.rpartition(".")
+    model = RunSpec.model_fields[section or "launch"].annotation
+    return model.model_fields[name].description or ""  # type: ignore[union-attr]
 
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The run spec (YAML).")]
@@ -61,6 +64,9 @@ DevicesOpt = Annotated[str | None, typer.Option(help=flag_help("devices"))]
 StrategyOpt = Annotated[str | None, typer.Option(help=flag_help("strategy"))]
 MaxRestartsOpt = Annotated[str | None, typer.Option(help=flag_help("max_restarts"))]
 StallTimeoutOpt = Annotated[str | None, typer.Option(help=flag_help("stall_timeout"))]
+LoadWeightsOpt = Annotated[
+    str | None, typer.Option("--load-weights", metavar="PATH", help=flag_help("load.weights"))
+]
 StrictCompileOpt = Annotated[
     bool,
     typer.Option(

@@ -2,8 +2,9 @@
 
 `check_arguments` matches `recipe.model` and `recipe.dataset` against the signatures of
 `build_model` and `build_dataset` without calling them: every launch runs it. `dry_build`
-(`train validate`) calls them as a worker would: the datasets, one batch, and the model on
-the meta device, so a run fails here in seconds rather than in every rank later.
+(`train validate`) calls them as a worker would: the datasets, one batch (collated by the
+recipe's `collate`, if it has one), the model on the meta device, and the recipe's `loss` on
+that model and batch, so a run fails here in seconds rather than in every rank later.
 
 This module sits with the workers' code because it calls it (the recipe, the loader); like
 `export.py`, it runs in the launcher's process only.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -22,15 +24,18 @@ from torch.utils.data import DataLoader
 
 from launcher.config.spec import RecipeSection, RunSpec
 from launcher.errors import UsageError
+from launcher.parallel.base import map_tensors
 from launcher.worker.data import (
     batch_size,
     build_loader,
     check_stream_limits,
+    collate_fn,
     dataset_length,
     is_stream,
     steps_per_epoch,
 )
 from launcher.worker.evaluation import stream_eval_batches
+from launcher.worker.param_groups import BOTH_GROUPINGS, group_parameters
 from launcher.worker.recipe import Recipe, load_recipe, users_traceback
 
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -42,6 +47,8 @@ def load_checked(spec: RunSpec, origin: str = "") -> Recipe:
     `origin`: where recipe.source came from (`launcher.config.sources`), for its errors."""
     recipe = load_recipe(spec.recipe.source, origin)
     check_arguments(recipe, spec.recipe)
+    if spec.optim.groups and recipe.param_groups_hook() is not None:
+        raise UsageError(BOTH_GROUPINGS)
     return recipe
 
 
@@ -108,16 +115,26 @@ def _unknown(key: str, given: str, name: str, valid: list[str]) -> str:
 
 def dry_build(spec: RunSpec, origin: str = "") -> str:
     """Builds what a worker builds, without training: the train split and one batch of it,
-    the val split when the run evaluates, and the model on the meta device. Returns a summary
-    (parameters, samples); raises `UsageError` for what the run would fail on."""
+    the val split when the run evaluates, and the model on the meta device, and runs the
+    recipe's loss on that model and batch. Returns a summary (parameters, samples); raises
+    `UsageError` for what the run would fail on."""
     recipe = load_checked(spec, origin)
-    parts = [_model_summary(recipe, spec.recipe.model), _train_summary(recipe, spec)]
+    model, on_meta, model_part = _model_summary(recipe, spec.recipe.model)
+    grouping = group_parameters(spec.optim, model, recipe)  # a pattern that matches nothing
+    if grouping.custom:
+        model_part += f" in {len(grouping.groups)} optimizer groups"
+    train_part, batch = _train_summary(recipe, spec)
+    parts = [model_part, train_part]
     if spec.eval.every_n_steps is not None:
         parts.append(_val_summary(recipe, spec))
+    unchecked = _check_loss(recipe, model, batch) if on_meta else "the model was built on the CPU"
+    if unchecked:
+        parts.append(f"loss not checked ({unchecked})")
     return " · ".join(parts)
 
 
-def _model_summary(recipe: Recipe, kwargs: dict[str, Any]) -> str:
+def _model_summary(recipe: Recipe, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, bool, str]:
+    """The model, whether it is on the meta device, and its line of the summary."""
     try:
         with torch.device("meta"):  # no memory for the weights, however large the model
             model = recipe.build_model(**kwargs)
@@ -129,30 +146,37 @@ def _model_summary(recipe: Recipe, kwargs: dict[str, Any]) -> str:
         # build tells whether the run would fail, as ddp builds for real.
         model = _user_call("recipe: build_model()", recipe.build_model, **kwargs)
         where = f" (built on the CPU: on the meta device it raised {type(exc).__name__})"
-    count = sum(p.numel() for p in model.parameters())
-    return f"model {type(model).__name__} {_count(count)} parameters{where}"
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counts = f"{_count(total)} parameters, {_count(trainable)} trainable"
+    return model, not where, f"model {type(model).__name__} {counts}{where}"
 
 
-def _train_summary(recipe: Recipe, spec: RunSpec) -> str:
+def _train_summary(recipe: Recipe, spec: RunSpec) -> tuple[str, Any]:
+    """The train split's line of the summary, and its first batch, collated as the run will."""
     what = "recipe: build_dataset('train')"
     dataset = _user_call(what, recipe.build_dataset, "train", **spec.recipe.dataset)
+    collate = recipe.collate_hook()
     if is_stream(dataset):
         check_stream_limits(spec.train)
         # A stream has no sampler: the workers read it in order, as this does.
-        loader = DataLoader(dataset, batch_size=spec.data.batch_size)
-        _check_batch(loader, what)
-        return f"train stream (no length; train.max_steps={spec.train.max_steps})"
+        loader = DataLoader(
+            dataset, batch_size=spec.data.batch_size, collate_fn=collate_fn(collate)
+        )
+        batch = _check_batch(loader, what)
+        return f"train stream (no length; train.max_steps={spec.train.max_steps})", batch
     devices = spec.launch.devices if isinstance(spec.launch.devices, int) else 1
     # The workers' own loader, as rank 0 of `devices` sees it; worker processes would only
     # make this slower.
     data = spec.data.model_copy(update={"num_workers": 0})
-    loader = build_loader(dataset, data, 0, devices, spec.run.seed, pin_memory=False)
-    _check_batch(loader, what)
+    loader = build_loader(dataset, data, 0, devices, spec.run.seed, False, collate=collate)
+    batch = _check_batch(loader, what)
     steps = steps_per_epoch(len(loader), spec.train.grad_accum_steps)
-    batch = f"{devices} device{'s' if devices > 1 else ''} x {spec.data.batch_size}"
+    shape = f"{devices} device{'s' if devices > 1 else ''} x {spec.data.batch_size}"
     if spec.train.grad_accum_steps > 1:
-        batch += f" x {spec.train.grad_accum_steps} micro-steps"
-    return f"train {dataset_length(dataset, 'train'):,} samples ({steps:,} steps/epoch at {batch})"
+        shape += f" x {spec.train.grad_accum_steps} micro-steps"
+    size = dataset_length(dataset, "train")
+    return f"train {size:,} samples ({steps:,} steps/epoch at {shape})", batch
 
 
 def _val_summary(recipe: Recipe, spec: RunSpec) -> str:
@@ -162,16 +186,74 @@ def _val_summary(recipe: Recipe, spec: RunSpec) -> str:
         summary = f"val stream ({stream_eval_batches(spec.eval.max_batches)} batches)"
     else:
         summary = f"val {dataset_length(dataset, 'val'):,} samples"
-    _check_batch(DataLoader(dataset, batch_size=spec.data.batch_size), what)
+    collate = collate_fn(recipe.collate_hook())
+    _check_batch(DataLoader(dataset, batch_size=spec.data.batch_size, collate_fn=collate), what)
     return summary
 
 
-def _check_batch(loader: Iterable[Any], what: str) -> None:
-    """One batch, collated as training collates it, must hold a tensor."""
+def _check_batch(loader: Iterable[Any], what: str) -> Any:
+    """One batch, collated as training collates it, must count its samples (`batch_size`)."""
     batch = _user_call(f"{what}: its first batch", lambda: next(iter(loader), None))
     if batch is None:
         raise UsageError(f"{what} gave no samples")
     batch_size(batch)
+    return batch
+
+
+def _check_loss(recipe: Recipe, model: torch.nn.Module, batch: Any) -> str | None:
+    """Runs `loss(model, batch)` with the model and the batch on the meta device (nothing is
+    computed, shapes and dtypes are): an error of the recipe's (a shape mismatch, a missing
+    key) is refused as the run's first step would fail on it. Returns why the loss could not
+    be checked, where an op of it cannot run on meta (None: checked)."""
+    made_by = "the recipe's collate()" if recipe.collate_hook() else "torch's default_collate"
+    what = f"recipe: loss(model, batch) failed on a train batch made by {made_by}"
+    meta_batch = map_tensors(batch, lambda t: t.to("meta"))
+    try:
+        loss, _ = recipe.loss(model, meta_batch)
+    except Exception as exc:
+        unchecked = _meta_limit(exc)
+        if unchecked:
+            return unchecked
+        raise UsageError(
+            f"{what}:",
+            details=[users_traceback(exc)],
+            hint="train validate ran it on the model and one batch on the meta device.",
+        ) from None
+    _check_loss_value(loss)
+    return None
+
+
+def _meta_limit(exc: Exception) -> str | None:
+    """Why an op cannot run on the meta device, where that is what `exc` says (an op without
+    a meta kernel, or one that reads values: `.item()`, a boolean mask); None where `exc` is
+    the recipe's own error."""
+    text = str(exc)
+    if not isinstance(exc, NotImplementedError) and "meta" not in text:
+        return None
+    op = re.search(r"aten::\w+|torch\.\w+\(\)|Tensor\.\w+\(\)", text)
+    found = op.group(0) if op else text.splitlines()[0][:80] if text else type(exc).__name__
+    return f"it cannot run on the meta device: {found}"
+
+
+def _check_loss_value(loss: Any) -> None:
+    """The loop backpropagates the loss: one number that depends on the weights."""
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(
+            f"recipe: loss(model, batch) returned {type(loss).__name__}, not a tensor",
+            hint="Return the loss tensor, or (loss, {name: value}).",
+        )
+    if loss.numel() != 1:
+        raise UsageError(
+            f"recipe: loss(model, batch) returned a tensor of shape {list(loss.shape)}; the "
+            "loss must be one number",
+            hint="Reduce it over the batch (.mean()).",
+        )
+    if not loss.requires_grad:
+        raise UsageError(
+            "recipe: loss(model, batch) returned a tensor that does not require grad: "
+            "backward() cannot run on it",
+            hint="Do not detach the loss or compute it under torch.no_grad().",
+        )
 
 
 def _user_call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

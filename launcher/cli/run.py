@@ -12,6 +12,7 @@ import typer
 from launcher.cli.options import (
     AcceleratorOpt,
     DevicesOpt,
+    LoadWeightsOpt,
     MaxRestartsOpt,
     Overrides,
     StallTimeoutOpt,
@@ -44,6 +45,7 @@ def run_command(
     strategy: StrategyOpt = None,
     max_restarts: MaxRestartsOpt = None,
     stall_timeout: StallTimeoutOpt = None,
+    load_weights: LoadWeightsOpt = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -114,7 +116,7 @@ def run_command(
         # Its own mistakes are reported before torch is imported (seconds): config.loader.
         flags = {"accelerator": accelerator, "devices": devices, "strategy": strategy}
         flags |= {"max_restarts": max_restarts, "stall_timeout": stall_timeout}
-        layers = cli_layers(config, overrides, strict_compile, **flags)
+        layers = cli_layers(config, overrides, strict_compile, load_weights, **flags)
         spec, sources = spec_given(layers, resume)
         check_recipe(spec, sources)  # a recipe that cannot load or take its arguments fails here
         from launcher.launch.execute import execute

@@ -43,7 +43,7 @@ def validate_command(
     debug: DebugOpt = False,
 ) -> None:
     """Check a spec and its recipe: build its datasets, a batch and the model (on the meta
-    device), and report their sizes. Starts no processes."""
+    device), run the loss on them, and report their sizes. Starts no processes."""
 
     def check() -> int:
         from launcher.config.loader import load_cli_spec_and_sources

@@ -62,10 +62,11 @@ def cli_layers(
     config: Path | None,
     overrides: list[str] | None = None,
     strict_compile: bool = False,
+    load_weights: str | None = None,
     **flags: str | None,
 ) -> SpecLayers:
     """The layers of the command line: `--config`'s file (None: none given), the overrides,
-    and the flags that set spec keys."""
+    and the flags that set spec keys (`flags`: `launch.*`'s)."""
     # Numbers and `null` are read as YAML, as in overrides; names stay strings.
     typed = ("devices", "max_restarts", "stall_timeout")
     given: dict[str, tuple[str, object]] = {}
@@ -77,6 +78,8 @@ def cli_layers(
         given[f"launch.{key}"] = (flag, value)
     if strict_compile:
         given["xla.strict_compile"] = ("--strict-compile", True)
+    if load_weights is not None:
+        given["load.weights"] = ("--load-weights", load_weights)
     return read_layers(config, overrides, given)
 
 
@@ -91,10 +94,10 @@ def read_layers(
     raw, where = read_yaml_file(path) if path is not None else (None, {})
     if path is not None:
         _require_mapping(raw, source=str(path))  # before overrides are set into it
-        _absolutize_recipe(raw, path.parent)
+        _absolutize_paths(raw, path.parent)
     given = [(*parse_override(text), f"override {clip(text)}") for text in overrides or []]
     given += [(key, value, flag) for key, (flag, value) in (flags or {}).items()]
-    given = [(key, _absolute_recipe(key, value), origin) for key, value, origin in given]
+    given = [(key, _absolute_path(key, value, Path.cwd()), origin) for key, value, origin in given]
     return SpecLayers(path, raw, where, tuple(given))
 
 
@@ -174,18 +177,26 @@ def _require_mapping(raw: Any, source: str) -> None:
         raise UsageError(f"{source}: expected a mapping of sections (run, launch, recipe, …)")
 
 
-def _absolute_recipe(key: str, value: Any) -> Any:
-    """A recipe file given on the command line, relative to the working directory."""
-    if key == "recipe.source" and isinstance(value, str) and value.endswith(".py"):
-        return str((Path.cwd() / value).resolve())
-    return value
+# Keys whose value may be a path: relative to the YAML file that sets it, or to the working
+# directory when given on the command line. `recipe.source` only as a `.py` file (else a module).
+_PATH_KEYS = ("recipe.source", "load.weights")
 
 
-def _absolutize_recipe(raw: Any, base: Path) -> None:
-    recipe = raw.get("recipe") if isinstance(raw, dict) else None
-    source = recipe.get("source") if isinstance(recipe, dict) else None
-    if isinstance(source, str) and source.endswith(".py"):
-        recipe["source"] = str((base / source).resolve())
+def _absolute_path(key: str, value: Any, base: Path) -> Any:
+    """`value`, made absolute from `base` where `key` names a file or folder."""
+    if key not in _PATH_KEYS or not isinstance(value, str):
+        return value
+    if key == "recipe.source" and not value.endswith(".py"):
+        return value
+    return str((base / value).resolve())
+
+
+def _absolutize_paths(raw: Any, base: Path) -> None:
+    for key in _PATH_KEYS:
+        section, leaf = key.split(".")
+        node = raw.get(section) if isinstance(raw, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = _absolute_path(key, node[leaf], base)
 
 
 def _set_dotted(raw: dict, key: str, value: Any, origin: str) -> None:

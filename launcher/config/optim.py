@@ -7,20 +7,27 @@ fraction of a second, before anything imports torch (seconds).
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from launcher.config.section import Section
 
 if TYPE_CHECKING:
     import torch
 
-Schedule = Literal["constant", "cosine"]
+Schedule = Literal["constant", "cosine", "linear", "wsd"]
 
 # `RunSpec.model_validate(raw, context=TORCH_FREE)`: every check except those that need torch.
 TORCH_FREE = {"torch_free": True}
+
+# What `wsd` decays over when `optim.decay_steps` is unset: the last 20% of the run, as in
+# the warmup-stable-decay papers (MiniCPM, DeepSeek) and torchtitan's default.
+WSD_DECAY_FRACTION = 0.2
 
 
 def _skip_torch_checks(info: ValidationInfo) -> bool:
@@ -39,30 +46,70 @@ def _optimizer_names() -> list[str]:
     )
 
 
-def _optimizer_class(name: str) -> type[torch.optim.Optimizer] | None:
+def _find_optimizer(name: str) -> type[torch.optim.Optimizer] | str:
+    """The class `name` names (a `torch.optim` name, or a dotted path such as
+    `torchao.optim.AdamW8bit`), or why there is none."""
     import torch
 
-    cls = getattr(torch.optim, name, None)
-    ok = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-    return cls if ok and cls is not torch.optim.Optimizer else None
+    if "." in name:
+        module_name, _, attr = name.rpartition(".")
+        # As for a recipe's module: workers run with `python -m`, which puts the working
+        # directory on sys.path; the `train` console script must find what they will.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            cls = getattr(importlib.import_module(module_name), attr, None)
+        except ImportError as exc:
+            return f"cannot import {module_name} ({exc}); install it, or fix the path"
+        if cls is None:
+            return f"{module_name} has no {attr}"
+    else:
+        cls = getattr(torch.optim, name, None)
+        if cls is None:
+            known = ", ".join(_optimizer_names())
+            return (
+                f"expected a torch.optim optimizer ({known}) or a dotted path to one, got {name!r}"
+            )
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return f"{name} is not a torch.optim.Optimizer subclass"
+    if cls is torch.optim.Optimizer:
+        return "torch.optim.Optimizer is the base class; name an optimizer"
+    return cls
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    cls = _optimizer_class(name)
-    assert cls is not None, name  # the spec validated it
+    cls = _find_optimizer(name)
+    assert not isinstance(cls, str), cls  # the spec validated it
     return cls
+
+
+def accepted_options(cls: type[torch.optim.Optimizer]) -> list[str]:
+    """The keyword arguments an optimizer takes besides its parameters."""
+    return [p for p in inspect.signature(cls).parameters if p != "params"]
 
 
 class OptimSection(Section):
     name: str = Field(
         "AdamW",
-        description="Any optimizer class in `torch.optim`, by name (`SGD`, `AdamW`, …).",
+        description="The optimizer: a class of `torch.optim` by name (`SGD`, `AdamW`, …), or "
+        "any `torch.optim.Optimizer` subclass by its dotted path "
+        "(`torchao.optim.AdamW8bit`): installed, or a module in the working directory.",
     )
     lr: float = Field(
         1e-3, ge=0, description="Peak learning rate (0 leaves the weights as they are)."
     )
     kwargs: dict[str, Any] = Field(
         {}, description="Other keyword arguments of the optimizer, e.g. `{weight_decay: 0.1}`."
+    )
+    groups: list[dict[str, Any]] = Field(
+        [],
+        description="Parameter groups with settings of their own, e.g. `[{params: ['*.bias', "
+        "'*norm*.weight'], weight_decay: 0.0}, {params: ['head.*'], lr: 1.0e-3}]`. `params` "
+        "matches the names of `named_parameters()` of the model the recipe builds, by glob; "
+        "a parameter joins the first group that matches it, and the others keep `lr` and "
+        "`kwargs`. The other keys are optimizer arguments (`lr` included), and the schedule "
+        "scales each group's `lr`. Frozen parameters (`requires_grad=False`) never reach the "
+        "optimizer. A recipe's `param_groups(model)` replaces this key.",
     )
     fused: bool = Field(
         True,
@@ -71,35 +118,87 @@ class OptimSection(Section):
         "`fused` nor `foreach`; `false`: torch's default.",
     )
     schedule: Schedule = Field(
-        "constant", description="`constant`, or `cosine` decay to `min_lr_ratio * lr`."
+        "constant",
+        description="`constant`; `cosine` or `linear` decay to `min_lr_ratio * lr` over the "
+        "steps after warmup; or `wsd` (warmup-stable-decay): `lr` until the last "
+        "`decay_steps`, then a linear decay to `min_lr_ratio * lr`.",
     )
     warmup_steps: int = Field(
         0, ge=0, description="Linear warmup from 0 to `lr` over this many steps."
     )
+    decay_steps: int | float | None = Field(
+        None,
+        gt=0,
+        description="`wsd` only: the steps of its decay, or, below 1, a fraction of the run's "
+        f"steps. Default: {WSD_DECAY_FRACTION}.",
+    )
     min_lr_ratio: float = Field(
-        0.0, ge=0.0, le=1.0, description="Final learning rate of `cosine`, as a fraction of `lr`."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Final learning rate of `cosine`, `linear` and `wsd`, as a fraction of `lr`.",
     )
 
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, name: str, info: ValidationInfo) -> str:
-        if not _skip_torch_checks(info) and not _optimizer_class(name):
-            known = ", ".join(_optimizer_names())
-            raise ValueError(f"expected a torch.optim optimizer ({known}), got {name!r}")
+        if not _skip_torch_checks(info):
+            found = _find_optimizer(name)
+            if isinstance(found, str):
+                raise ValueError(found)
         return name
 
     @field_validator("kwargs")
     @classmethod
     def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if not kwargs or _skip_torch_checks(info):
-            return kwargs
-        optimizer = _optimizer_class(info.data.get("name", ""))
-        if optimizer is None:
-            return kwargs  # the name's own error says what is wrong
-        accepted = [p for p in inspect.signature(optimizer).parameters if p not in ("params", "lr")]
-        wrong = [k for k in kwargs if k not in accepted]
-        if wrong:
-            raise ValueError(
-                f"{optimizer.__name__} does not take {', '.join(wrong)}; it takes: {', '.join(accepted)}"
-            )
+        if kwargs and not _skip_torch_checks(info):
+            _check_options(info.data.get("name", ""), kwargs, "", allow_lr=False)
         return kwargs
+
+    @field_validator("groups")
+    @classmethod
+    def _groups_fit(cls, groups: list[dict[str, Any]], info: ValidationInfo) -> list[dict]:
+        for i, group in enumerate(groups):
+            where = f"group {i + 1}: "
+            patterns = group.get("params")
+            if isinstance(patterns, str):
+                patterns = [patterns]
+            if not patterns or not all(isinstance(p, str) and p for p in patterns):
+                raise ValueError(
+                    f"{where}expected `params:` with one or more name patterns, e.g. "
+                    "{params: ['*.bias'], weight_decay: 0.0}"
+                )
+            options = {k: v for k, v in group.items() if k != "params"}
+            if not _skip_torch_checks(info):
+                _check_options(info.data.get("name", ""), options, where, allow_lr=True)
+        return [
+            {**g, "params": [g["params"]] if isinstance(g["params"], str) else g["params"]}
+            for g in groups
+        ]
+
+    @model_validator(mode="after")
+    def _decay_steps_for_wsd(self) -> OptimSection:
+        if self.decay_steps is not None and self.schedule != "wsd":
+            raise ValueError(
+                f"decay_steps: only `schedule: wsd` has a decay of its own length (the "
+                f"schedule is {self.schedule!r}); remove it"
+            )
+        if isinstance(self.decay_steps, float) and self.decay_steps >= 1:
+            raise ValueError(
+                f"decay_steps: a number of steps is a whole number, a fraction is below 1; "
+                f"got {self.decay_steps}"
+            )
+        return self
+
+
+def _check_options(name: str, options: dict[str, Any], where: str, allow_lr: bool) -> None:
+    optimizer = _find_optimizer(name)
+    if isinstance(optimizer, str):
+        return  # the name's own error says what is wrong
+    accepted = [p for p in accepted_options(optimizer) if allow_lr or p != "lr"]
+    wrong = [k for k in options if k not in accepted]
+    if wrong:
+        raise ValueError(
+            f"{where}{optimizer.__name__} does not take {', '.join(wrong)}; it takes: "
+            f"{', '.join(accepted)}"
+        )

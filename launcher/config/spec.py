@@ -12,11 +12,12 @@ from pydantic import BeforeValidator, Field, model_validator
 
 # The fsdp section's keys need long descriptions; it lives apart, re-exported here.
 from launcher.config.fsdp import FSDPSection
+from launcher.config.load import LoadSection
 
 # Sections that need torch to check themselves live apart; the spec re-exports them.
 from launcher.config.optim import OptimSection
 from launcher.config.section import PositiveInt, Section
-from launcher.config.training import Precision, ProfileSection, TrainSection
+from launcher.config.training import EMASection, Precision, ProfileSection, TrainSection
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
@@ -129,9 +130,9 @@ class CheckpointSection(Section):
     )
     monitor: str | None = Field(
         None,
-        description="Keep the best checkpoints by this evaluation metric, e.g. `val/loss`: an "
-        "evaluation whose score enters the best `keep_best` saves one. Needs "
-        "`eval.every_n_steps`.",
+        description="Keep the best checkpoints by this evaluation metric, e.g. `val/loss` (or "
+        "`val_ema/loss`, the weights' average: `train.ema`): an evaluation whose score enters "
+        "the best `keep_best` saves one. Needs `eval.every_n_steps`.",
     )
     mode: Mode = Field(
         "min", description="Whether a lower (`min`) or higher (`max`) `monitor` is better."
@@ -159,8 +160,9 @@ class EvalSection(Section):
 class EarlyStopSection(Section):
     monitor: str | None = Field(
         None,
-        description="Stop training when this evaluation metric (e.g. `val/loss`) stops "
-        "improving; `null`: never. Needs `eval.every_n_steps`.",
+        description="Stop training when this evaluation metric (e.g. `val/loss`, or "
+        "`val_ema/loss` with `train.ema`) stops improving; `null`: never. Needs "
+        "`eval.every_n_steps`.",
     )
     mode: Mode = Field(
         "min", description="Whether a lower (`min`) or higher (`max`) `monitor` is better."
@@ -237,6 +239,9 @@ class RunSpec(Section):
     log: LogSection = Field(
         default_factory=LogSection, description="What each run records besides its logs."
     )
+    load: LoadSection = Field(
+        default_factory=LoadSection, description="Weights a new run starts from (fine-tuning)."
+    )
 
     @model_validator(mode="after")
     def _monitors_need_evaluations(self) -> RunSpec:
@@ -246,9 +251,12 @@ class RunSpec(Section):
         ):
             if monitor is None:
                 continue
-            if not monitor.startswith("val/"):
+            if monitor.startswith("val_ema/") and self.train.ema is None:
+                raise ValueError(f"{key}: {monitor} needs train.ema, the average it evaluates")
+            if not monitor.startswith(("val/", "val_ema/")):
                 raise ValueError(
-                    f"{key}: expected an evaluation metric such as 'val/loss', got {monitor!r}"
+                    f"{key}: expected an evaluation metric such as 'val/loss' or "
+                    f"'val_ema/loss', got {monitor!r}"
                 )
             if self.eval.every_n_steps is None:
                 raise ValueError(f"{key}: needs evaluations; set eval.every_n_steps")
@@ -263,7 +271,9 @@ class RunSpec(Section):
 
 
 __all__ = [
+    "EMASection",
     "FSDPSection",
+    "LoadSection",
     "OptimSection",
     "Precision",
     "ProfileSection",

@@ -24,6 +24,16 @@ class ProfileSection(Section):
     )
 
 
+class EMASection(Section):
+    decay: float = Field(
+        ...,
+        gt=0,
+        lt=1,
+        description="The average's decay per optimizer step: `average = decay * average + (1 - "
+        "decay) * weights`, e.g. 0.999 (about the last 1,000 steps).",
+    )
+
+
 class TrainSection(Section):
     max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
     max_epochs: PositiveInt | None = Field(
@@ -63,6 +73,13 @@ class TrainSection(Section):
         description="On CUDA, fp32 matrix multiplications and convolutions use TensorFloat-32 "
         "tensor cores (`torch.set_float32_matmul_precision('high')`): several times faster, "
         "with a 10-bit mantissa in the products. `false`: full fp32.",
+    )
+    ema: EMASection | None = Field(
+        None,
+        description="An exponential moving average of the weights, e.g. `{decay: 0.999}`, kept "
+        "on each rank's own shards (fsdp never gathers it), updated after every optimizer "
+        "step and checkpointed. Evaluations report it as `val_ema/...` beside `val/...`, "
+        "`checkpoint.monitor` may name either, and `train export --ema` writes it. `null`: off.",
     )
     profile: ProfileSection | None = Field(
         None,

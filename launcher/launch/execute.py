@@ -77,6 +77,8 @@ def _announce(plan: LaunchPlan, console: Console) -> None:
         if plan.resume_from
         else (f"starting {plan.spec.run.name}")
     )
+    if plan.spec.load.weights and not plan.resume_from:
+        what += f" from the weights of {plan.spec.load.weights}"
     console.print(
         f"{what}: {plan.devices.count} x {plan.accelerator}, "
         f"strategy {plan.spec.launch.strategy}, run dir {plan.run_dir}",

@@ -13,6 +13,7 @@ from typing import Any
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.checkpoint.format import read_meta
 from launcher.checkpoint.selection import ResumeRequest, resume_point
+from launcher.checkpoint.weights_source import check_weights
 from launcher.config.loader import SpecLayers
 from launcher.config.resume import ResumedSpec, spec_on_resume
 from launcher.config.sources import changed_keys
@@ -158,7 +159,7 @@ def make_plan(
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
     devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
-    resolved, notes = _resolved(spec, accelerator, devices)
+    resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
     sources = _with_resolved(sources or {}, spec, resolved)
     spec = resolved
     on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
@@ -198,7 +199,33 @@ def _resumed(resume_from: Path, layers: SpecLayers) -> ResumedSpec:
                 f"{change.before}; a resumed run continues with its own recipe",
                 hint="Start a new run without --resume to train another recipe.",
             )
+    _refuse_weights_on_resume(resume_from, layers, resumed)
     return resumed
+
+
+def _refuse_weights_on_resume(resume_from: Path, layers: SpecLayers, resumed: ResumedSpec) -> None:
+    """`load.weights` starts a new run; a resumed run goes on from its own checkpoint. A run
+    that was started from weights keeps the key as it had it, and never loads them again."""
+    origins = [origin for key, value, origin in layers.given if key == "load.weights" and value]
+    origins += [c.origin for c in resumed.changes if c.key == "load.weights" and c.after]
+    if origins:
+        raise UsageError(
+            f"load.weights ({origins[0]}): starts a new run from weights, and --resume "
+            f"{resume_from} continues a run from its own checkpoint; give one of them",
+            hint="To fine-tune, start a new run (no --resume); to continue this run, leave "
+            "load.weights as the run had it.",
+        )
+
+
+def _weights_found(spec: RunSpec, resume_from: Path | None) -> RunSpec:
+    """The spec with `load.weights` as the workers will read it (a run folder's newest
+    complete checkpoint); weights that are missing, damaged or of no known format are refused
+    before anything starts. A resume never reads them: they may be gone."""
+    if spec.load.weights is None or resume_from is not None:
+        return spec
+    source = check_weights(Path(spec.load.weights))
+    load = spec.load.model_copy(update={"weights": str(source.path)})
+    return spec.model_copy(update={"load": load})
 
 
 def _another_recipe(before: str, after: str) -> bool:

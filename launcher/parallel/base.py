@@ -191,6 +191,17 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None: ...
 
+    def load_whole_weights(
+        self, model: nn.Module, read: Callable[[], dict[str, torch.Tensor]]
+    ) -> None:
+        """Collective: loads weights given whole (`read` reads them from a file: full-size
+        tensors, named as torch's `get_model_state_dict(model)` names them) into `model`, whose
+        other weights stay as they are. Here every process reads them and keeps what it holds;
+        a backend that can broadcast reads them on rank 0 alone (`TorchDistributedStrategy`)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, read(), options=StateDictOptions(strict=False))
+
     def teardown(self) -> None:  # noqa: B027 (an optional hook)
         """Leave the process group."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -169,6 +169,16 @@ class TorchDistributedStrategy(Strategy):
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         self.precision.load_state_dict(state.get("precision", {}))
+
+    def load_whole_weights(
+        self, model: nn.Module, read: Callable[[], dict[str, torch.Tensor]]
+    ) -> None:
+        # Rank 0 alone reads the file; each tensor is broadcast in turn and every rank keeps
+        # its part (fsdp: its shard), so no other process ever holds the whole model.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(model, read() if self.is_main else {}, options=options)
 
     def teardown(self) -> None:
         if dist.is_initialized():

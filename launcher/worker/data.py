@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    default_collate,
+)
 
 from launcher.config.spec import DataSection, TrainSection
 from launcher.errors import UsageError
@@ -69,12 +75,14 @@ def build_feed(
     seed: int,
     pin_memory: bool,
     devices_per_process: int = 1,
+    collate: Callable[[list[Any]], Any] | None = None,
 ) -> Any:
     """This process's batches of the train split: an `EpochFeed`, or a `StreamFeed` for a
-    stream (`launcher.worker.stream`). Both give the loop the same methods."""
+    stream (`launcher.worker.stream`). Both give the loop the same methods. `collate`: the
+    recipe's `collate(samples)` (`Recipe.collate_hook`), None for torch's default_collate."""
     if not is_stream(dataset):
         loader = build_loader(
-            dataset, data, rank, world_size, seed, pin_memory, devices_per_process
+            dataset, data, rank, world_size, seed, pin_memory, devices_per_process, collate
         )
         return EpochFeed(loader, seed, rank, world_size)
     from launcher.worker.stream import StreamFeed, StreamShare, TaggedCollate
@@ -86,7 +94,7 @@ def build_feed(
         share,
         batch_size=batch,
         num_workers=data.num_workers,
-        collate_fn=TaggedCollate(),
+        collate_fn=TaggedCollate(collate_fn(collate) or default_collate),
         pin_memory=pin_memory,
         generator=torch.Generator().manual_seed(seed * 1_000_003 + rank),
     )
@@ -101,8 +109,10 @@ def build_loader(
     seed: int,
     pin_memory: bool,
     devices_per_process: int = 1,
+    collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """This process's loader: `data.batch_size` samples for each device it drives."""
+    """This process's loader: `data.batch_size` samples for each device it drives, collated
+    by the recipe's `collate` where it has one."""
     size = dataset_length(dataset, "train")
     batch_size = data.batch_size * devices_per_process
     if size < batch_size * world_size and data.drop_last:
@@ -125,6 +135,7 @@ def build_loader(
         sampler=sampler,
         num_workers=data.num_workers,
         drop_last=data.drop_last,
+        collate_fn=collate_fn(collate),
         pin_memory=pin_memory,
         # Workers restart each epoch and are seeded by start_epoch(), so a resumed epoch's
         # workers get the same seeds as the original's (persistent ones would keep old seeds).
@@ -171,15 +182,77 @@ def start_epoch(loader: DataLoader, epoch: int, skip_samples: int, seed: int, ra
     loader.generator.manual_seed(((seed * 1_000_003 + epoch) * 65_537 + rank) % 2**63)
 
 
+# The key of a dict batch by which a recipe's collate gives its number of samples, where its
+# tensors' leading dimension cannot (a packed batch: all sequences in one row).
+NUM_SAMPLES = "num_samples"
+
+
 def batch_size(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
+    """Samples in a batch: its `num_samples` (an int in a dict batch), else the leading
+    dimension its tensors share (default_collate stacks every tensor along it)."""
+    if isinstance(batch, dict) and type(batch.get(NUM_SAMPLES)) is int:
+        return batch[NUM_SAMPLES]
+    sizes = dict(_leading_sizes(batch, "batch"))
+    if not sizes:
+        raise UsageError(
+            "recipe: a batch holds no tensor; build_dataset items (or what collate returns) "
+            "must contain tensors"
+        )
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{path} {size}" for path, size in list(sizes.items())[:4])
+        raise UsageError(
+            f"recipe: the batch's tensors disagree on its number of samples (leading "
+            f"dimensions: {shown})",
+            hint=f"A recipe's collate(samples) whose tensors are not one row per sample "
+            f"returns a dict with the count: {{..., {NUM_SAMPLES!r}: len(samples)}} "
+            "(docs/recipes.md#collate-padding-a-batch).",
+        )
+    return next(iter(sizes.values()))
+
+
+def _leading_sizes(batch: Any, path: str) -> Iterator[tuple[str, int]]:
+    """(where, leading dimension) of every tensor of a batch with one; a 0-d tensor, a
+    number for the whole batch, has none."""
     if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    items = batch.values() if isinstance(batch, dict) else batch
-    for item in items:
-        if isinstance(item, (torch.Tensor, dict, list, tuple)):
-            return batch_size(item)
-    raise UsageError("recipe: a batch holds no tensor; build_dataset items must contain tensors")
+        if batch.dim() > 0:
+            yield path, batch.shape[0]
+    elif isinstance(batch, dict):
+        for key, value in batch.items():
+            yield from _leading_sizes(value, f"{path}[{key!r}]")
+    elif isinstance(batch, list | tuple):
+        for i, value in enumerate(batch):
+            yield from _leading_sizes(value, f"{path}[{i}]")
+
+
+class Collate:
+    """A recipe's `collate(samples)` as a DataLoader's collate_fn (a class, not a closure, so
+    that it can be pickled into worker processes). Its batch must count the samples it was
+    given (`batch_size`), which epoch positions, throughput and the exact evaluation mean
+    rely on."""
+
+    def __init__(self, hook: Callable[[list[Any]], Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = self.hook(samples)
+        if isinstance(batch, Mapping) and not isinstance(batch, dict):
+            batch = dict(batch)  # a tokenizer's BatchEncoding: moved to the device as a dict
+        counted = batch_size(batch)
+        if counted != len(samples):
+            raise UsageError(
+                f"recipe: collate() was given {len(samples)} samples, but its batch counts "
+                f"{counted}",
+                hint=f"A batch holds the samples collate was given: put {NUM_SAMPLES!r}: "
+                "len(samples) in a dict batch whose tensors' leading dimension is not the "
+                "number of samples, and filter samples in build_dataset, not in collate.",
+            )
+        return batch
+
+
+def collate_fn(hook: Callable[[list[Any]], Any] | None) -> Collate | None:
+    """The DataLoader's collate_fn for a recipe's collate hook; None (torch's default_collate)
+    where the recipe has none."""
+    return None if hook is None else Collate(hook)
 
 
 def steps_per_epoch(batches: int, accum: int) -> int:

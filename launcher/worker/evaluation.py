@@ -4,14 +4,15 @@ replicas.
 Every replica runs the same number of batches of the same shapes (FSDP gathers parameters in
 every forward, XLA compiles each shape): the sampler pads the split to a multiple of the world
 size by repeating samples, as DistributedSampler does. Padding is never counted: it sits at
-the end of each replica's share, so a batch holding some is cut to its real samples, and a
-batch of padding alone runs for the collectives but weighs nothing. Each batch's metrics are
-weighted by its number of real samples, and sums and counts are reduced across replicas, so
-1, 2 or 3 processes give the same mean.
+the end of each replica's share, so a batch holding some is cut to its real samples before
+it is collated (by the recipe's `collate`, if it has one), and a batch of padding alone runs
+for the collectives but weighs nothing. Each batch's metrics are weighted by its number of
+real samples, and sums and counts are reduced across replicas, so 1, 2 or 3 processes give
+the same mean.
 
 A streamed split (an IterableDataset) is read from its start at every evaluation, each rank
 its own share (`launcher.worker.stream`), for exactly `eval.max_batches` batches on every rank;
-the mean is over the samples read.
+the mean is over the samples read, as each batch counts them (`batch_size`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from launcher.config.spec import RunSpec
 from launcher.errors import RunError, UsageError
 from launcher.parallel.base import Strategy
-from launcher.worker.data import batch_size, dataset_length, is_stream
+from launcher.worker.data import batch_size, collate_fn, dataset_length, is_stream
 from launcher.worker.recipe import Recipe
 from launcher.worker.stream import StreamShare
 
@@ -41,8 +41,8 @@ class Evaluator:
         self.seed = spec.run.seed * 1_000_003 + rank
         loader = functools.partial(
             DataLoader,
-            batch_size=self.batch,
             num_workers=spec.data.num_workers,
+            collate_fn=collate_fn(recipe.collate_hook()),
             pin_memory=strategy.device.type == "cuda",
             generator=torch.Generator(),  # its seeds never come from the training streams
         )
@@ -50,21 +50,23 @@ class Evaluator:
         self.weights: list[int] | None = None  # a stream's batches weigh their own size
         if is_stream(dataset):
             self.stream_batches = stream_eval_batches(limit)
-            self.loader = loader(StreamShare(dataset, rank, world, repeat=False))
+            share = StreamShare(dataset, rank, world, repeat=False)
+            self.loader = loader(share, batch_size=self.batch)
             return
         size = _same_everywhere(dataset_length(dataset, "val"), strategy)
         sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False
         )
         _check_spmd_hosts(size, world, self.batch, strategy.devices_per_process)
-        self.loader = loader(dataset, sampler=sampler)
-        batches = len(self.loader) if limit is None else min(limit, len(self.loader))
+        batches = -(-sampler.num_samples // self.batch)
+        batches = batches if limit is None else min(limit, batches)
         # The sampler deals the split round-robin: replica r's real samples are r, r+W, ...
         real, share = len(range(rank, size, world)), sampler.num_samples
         self.weights = [
             max(0, min(real - i * self.batch, share - i * self.batch, self.batch))
             for i in range(batches)
         ]
+        self.loader = loader(dataset, batch_sampler=_RealBatches(sampler, self.batch, self.weights))
 
     def run(self, model: torch.nn.Module, step: int, alive: Callable[[], None]) -> dict[str, float]:
         """Collective: the split's mean of every metric, as `val/<name>`, the same on every
@@ -104,7 +106,7 @@ class Evaluator:
             batches = self.strategy.loader(itertools.islice(self.loader, limit))
         else:
             weights = self.weights
-            batches = self.strategy.loader(_RealSamples(self.loader, self.weights))
+            batches = self.strategy.loader(self.loader)
         taken = 0
         for weight, batch in zip(weights, batches, strict=False):
             taken += 1
@@ -134,35 +136,22 @@ class Evaluator:
         return sums, count
 
 
-class _RealSamples:
-    """The loader's batches, each cut to its real samples (a batch of padding alone stays
-    whole: it runs, weighing nothing)."""
+class _RealBatches:
+    """The sampler's indices in batches, each cut to its real samples before it is collated
+    (a batch of padding alone stays whole: it runs, weighing nothing); `weights[i]` is batch
+    i's number of real samples, and there are as many batches as weights."""
 
-    def __init__(self, loader: DataLoader, weights: list[int]) -> None:
-        self.loader, self.weights = loader, weights
+    def __init__(self, sampler: DistributedSampler, batch: int, weights: list[int]) -> None:
+        self.sampler, self.batch, self.weights = sampler, batch, weights
 
     def __len__(self) -> int:
         return len(self.weights)
 
-    def __iter__(self) -> Iterator[Any]:
-        for weight, batch in zip(self.weights, self.loader, strict=False):
-            yield _take(batch, weight) if 0 < weight < batch_size(batch) else batch
-
-
-def _take(batch: Any, n: int) -> Any:
-    """The first `n` samples of a collated batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:n]
-    if isinstance(batch, list) and not any(
-        isinstance(v, torch.Tensor | list | tuple | dict) for v in batch
-    ):
-        return batch[:n]  # one item per sample (strings, say), as default_collate makes them
-    if isinstance(batch, dict):
-        return {k: _take(v, n) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        items = [_take(v, n) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(self.sampler)
+        for i, weight in enumerate(self.weights):
+            chunk = indices[i * self.batch : (i + 1) * self.batch]
+            yield chunk[:weight] if weight else chunk
 
 
 def _same_everywhere(size: int, strategy: Strategy) -> int:

@@ -8,16 +8,20 @@ counts every matmul and convolution as it goes, for any model, strategy and devi
 nothing of the recipe's that the step would not call anyway (compiled code runs eagerly under
 the counter, for that one micro-batch). A resumed run keeps the count its checkpoint holds when
 its batches have the same shapes, so that its steps are those of a run that never stopped.
-Under activation checkpointing the recomputed forward counts too.
+Under activation checkpointing the recomputed forward counts too. Ops that do a model's heavy
+work but have no formula in the counter (a CPU LSTM's `mkldnn_rnn_layer`, the CPU's fused
+attention) are named in one line, once: the count leaves their work out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from launcher.parallel.base import map_tensors
 from launcher.worker.recipe import Recipe
@@ -93,20 +97,31 @@ class Speed:
         self.counted = True
         shapes = shapes_of(batch)
         if self._restored is not None and self._restored.get("shapes") == shapes:
-            self._counted(self._restored["flops_per_micro_batch"], shapes)
+            restored = self._restored
+            self._counted(restored["flops_per_micro_batch"], shapes, restored.get("uncounted", []))
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
 
         # Compiled code under a dispatch mode would be skipped for good; forced eager for this
         # micro-batch, it compiles at the next one, as it would have at this one.
-        with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
+        # The ops the counter runs in the end (it decomposes those it has no formula for into
+        # ones it may have) reach `ran`, below it.
+        with (
+            torch.compiler.set_stance("force_eager"),
+            _OpsRun() as ran,
+            FlopCounterMode(display=False) as counter,
+        ):
             yield
-        self._counted(int(counter.get_total_flops()), shapes)
+        uncounted = _uncounted(ran.ops, counter.flop_registry)
+        self._counted(int(counter.get_total_flops()), shapes, uncounted)
 
-    def _counted(self, flops: int, shapes: list[list[int]]) -> None:
-        self._count = {"flops_per_micro_batch": flops, "shapes": shapes}
+    def _counted(self, flops: int, shapes: list[list[int]], uncounted: list[str]) -> None:
+        self._count = {"flops_per_micro_batch": flops, "shapes": shapes, "uncounted": uncounted}
         self.per_step = round(flops * self.per_process)
+        note = uncounted_note(flops, uncounted)
+        if note:
+            print(note, flush=True)  # every rank: the display folds the same lines into one
 
     def state_dict(self) -> dict[str, Any] | None:
         """The count, for the checkpoint: a resumed run with the same batch shapes keeps it."""
@@ -138,6 +153,49 @@ class Speed:
         if median_step_s:
             out.update(self.fields(median_step_s))
         return out
+
+
+class _OpsRun(TorchDispatchMode):
+    """Records the name of every op that runs (`aten.mm`) while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.add(str(func._overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+# Names of the ops that do a model's heavy work: matmuls, convolutions, attention, RNNs.
+_HEAVY = re.compile(r"mm|mv|dot|matmul|linear|einsum|conv|attention|rnn|lstm|gru")
+
+
+def _uncounted(ops: set[str], registry: dict[Any, Any]) -> list[str]:
+    """The ops of `ops` that do heavy work but have no formula in the counter's `registry`."""
+    counted = {str(packet) for packet in registry}
+    return sorted(op for op in ops if _HEAVY.search(op) and op not in counted)
+
+
+def uncounted_note(flops: int, uncounted: list[str]) -> str | None:
+    """One line on what the FLOP count leaves out (None: nothing known), and why."""
+    if uncounted:
+        ops = ", ".join(uncounted)
+        if flops == 0:
+            return (
+                f"FLOPs not counted: torch.utils.flop_counter has no formula for {ops}, which "
+                "did the step's work: no TFLOP/s or MFU is reported"
+            )
+        return (
+            f"FLOPs partly counted: torch.utils.flop_counter has no formula for {ops}: "
+            "TFLOP/s and MFU leave their work out"
+        )
+    if flops == 0:
+        return (
+            "FLOPs not counted: the step ran no matmul, convolution or attention that "
+            "torch.utils.flop_counter counts: no TFLOP/s or MFU is reported"
+        )
+    return None
 
 
 def describe(fields: dict[str, float]) -> str:

@@ -11,6 +11,7 @@ import torch
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.checkpoint.selection import resume_point
 from launcher.checkpoint.state import ModelState
+from launcher.checkpoint.weights import load_weights
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
 from launcher.metrics.sinks import build_sinks
@@ -19,10 +20,12 @@ from launcher.parallel.base import Strategy
 from launcher.parallel.weight_init import WeightInit
 from launcher.rundir.layout import RunLayout
 from launcher.worker.data import batch_size, build_feed, steps_per_epoch, total_steps
+from launcher.worker.ema import WeightAverage
 from launcher.worker.evaluation import Evaluator
 from launcher.worker.flops import Speed
 from launcher.worker.metrics_window import MetricsWindow
-from launcher.worker.optim import build_optimizer, build_scheduler
+from launcher.worker.optim import build_optimizer, build_scheduler, group_settings, scheduled_lr
+from launcher.worker.param_groups import group_parameters
 from launcher.worker.profiling import StepProfiler
 from launcher.worker.recipe import Recipe
 from launcher.worker.reporting import Reporter
@@ -55,20 +58,13 @@ class Trainer:
         self.resume_from = strategy.from_main(resume_point(resume_from, run_dir))
         if attempt:
             print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
-        rss_before_build = memory.rss_bytes()
-        self.model = strategy.build_model(
-            lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
-        )
-        self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
+        self.model = self._build_model()
         self.feed = self._train_feed()
         per_epoch = self.feed.batches_per_epoch  # None: a stream, which has no epochs
         accum = spec.train.grad_accum_steps
         self.steps_per_epoch = per_epoch and steps_per_epoch(per_epoch, accum)
         self.total_steps = total_steps(spec.train, self.steps_per_epoch)
-        self.optimizer = build_optimizer(
-            spec.optim, self.model.parameters(), strategy.optimizer_defaults(), strategy.device.type
-        )
-        self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
+        self._build_optimizer()
         micro_batches = accum / strategy.devices_per_process  # per step and device
         self.speed = Speed(strategy.device, spec.train.precision, spec.train.tf32, micro_batches)
         self.state = TrainState(
@@ -84,11 +80,36 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             strategy,
             run_dir,
-            ModelState(strategy, self.model, self.optimizer),
+            ModelState(strategy, self.model, self.optimizer, self.average),
             self.state,
             keep_last=spec.checkpoint.keep_last,
             use_async=spec.checkpoint.async_,
         )
+
+    def _build_model(self) -> torch.nn.Module:
+        """The recipe's model, initialised (or loaded: `load.weights`), placed and wrapped."""
+        spec, recipe, strategy = self.spec, self.recipe, self.strategy
+        rss_before_build = memory.rss_bytes()
+        model = strategy.build_model(
+            lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
+        )
+        self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
+        load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
+        return model
+
+    def _build_optimizer(self) -> None:
+        """The parameter groups, the optimizer, its schedule and the weights' average."""
+        spec, strategy = self.spec, self.strategy
+        self.grouping = group_parameters(spec.optim, self.model, self.recipe)
+        self.optimizer = build_optimizer(
+            spec.optim, self.grouping.torch_groups(), strategy.optimizer_defaults(),
+            strategy.device.type,
+        )  # fmt: skip
+        # Each group's settings as the spec and recipe say now: a resume restores them.
+        self.optim_settings = group_settings(self.optimizer)
+        self.scheduler = build_scheduler(spec.optim, self.optimizer, self.total_steps)
+        ema = spec.train.ema
+        self.average = WeightAverage(self.model, ema.decay) if ema is not None else None
 
     def _train_feed(self) -> Any:
         spec, strategy = self.spec, self.strategy
@@ -101,6 +122,7 @@ class Trainer:
             spec.run.seed,
             pin_memory=strategy.device.type == "cuda",
             devices_per_process=strategy.devices_per_process,
+            collate=self.recipe.collate_hook(),
         )
 
     @property
@@ -109,13 +131,16 @@ class Trainer:
 
     def fit(self) -> None:
         if self.resume_from is not None:
-            restore(self.resume_from, self.checkpointer, self.state, self.strategy, self.spec)
+            restore(
+                self.resume_from, self.checkpointer, self.state, self.strategy, self.spec,
+                self.optim_settings,
+            )  # fmt: skip
             # Steps past this one that metrics.jsonl holds were lost with the attempt that
             # wrote them: readers drop them at this mark, and see each step once.
             self.telemetry.mark_resumed(self.progress.step)
         self.telemetry.start_from(self.progress.step)
         resumed = self.progress.step if self.resume_from else None
-        self.report.introduce(self.model, self.feed.samples, resumed)
+        self.report.introduce(self.grouping, self.feed.samples, resumed)
         try:
             self._run()
         finally:
@@ -187,7 +212,12 @@ class Trainer:
         step = self.progress.step
         started = time.perf_counter()
         self.telemetry.beat(step, busy=True)
-        metrics = self.evaluator.run(self.model, step, lambda: self.telemetry.beat(step, busy=True))
+        alive = lambda: self.telemetry.beat(step, busy=True)  # noqa: E731
+        metrics = self.evaluator.run(self.model, step, alive)
+        if self.average is not None:
+            with self.average.swapped_in():
+                averaged = self.evaluator.run(self.model, step, alive)
+            metrics.update({"val_ema/" + k.removeprefix("val/"): v for k, v in averaged.items()})
         self.telemetry.beat(step)
         seconds = time.perf_counter() - started
         self.state.window.restart_clock()  # the evaluation is not training throughput
@@ -246,11 +276,15 @@ class Trainer:
         applied = self.state.nonfinite.allows_update(step, total_loss, norm)
         if applied:
             self.strategy.apply_update(self.optimizer)
+            if self.average is not None:
+                self.average.update()
         else:
             self.strategy.drop_update(self.optimizer)
         self.scheduler.step()
         if accum > 1:
             total_loss, totals = total_loss / accum, {k: v / accum for k, v in totals.items()}
+        if norm is not None:  # computed for clipping and the non-finite check anyway
+            totals["grad_norm"] = norm.detach().float()
         if applied:  # a skipped step's NaN would spoil the whole window's means
             # Before the step's graph is cut (XLA): the window's sums are part of the step.
             self.state.window.add(total_loss, totals)
@@ -269,7 +303,7 @@ class Trainer:
             window,
             self.progress.step,
             self.progress.epoch,
-            self.scheduler.get_last_lr()[0],
+            scheduled_lr(self.spec.optim, self.scheduler),
             self.state.nonfinite.device_record(),
             receive_own=self.state.nonfinite.note,
         )

@@ -8,7 +8,16 @@ and may define
   evaluate(model, batch) -> dict of metrics | Tensor | (Tensor, dict)
 for evaluation on the `val` split (default: `loss`), each metric a mean over the batch, and
 `state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a checkpoint must keep
-(tensors, numbers, strings, lists and dicts of them).
+(tensors, numbers, strings, lists and dicts of them), and
+  param_groups(model) -> list of torch param-group dicts
+for the optimizer's parameter groups (instead of `optim.groups`), and
+  collate(samples) -> batch
+to make one batch of a list of samples (`build_dataset` items) for train, val and streamed
+batches alike, in DataLoader workers too (default: torch's `default_collate`), e.g. padding
+sequences to the longest with a mask. Its batch must count the samples it was given: the
+leading dimension its tensors share, or, where they share none (a packed batch), a dict
+batch's `"num_samples": len(samples)` (an int, left in the batch the loss gets); see
+`launcher.worker.data.batch_size`.
 """
 
 from __future__ import annotations
@@ -78,6 +87,25 @@ class Recipe:
         for module in model.modules():
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()  # type: ignore[operator]
+
+    def param_groups_hook(self) -> Callable[[torch.nn.Module], Any] | None:
+        """The recipe's optional `param_groups(model)`: the optimizer's groups, as torch's
+        param-group dicts (`launcher.worker.param_groups`)."""
+        hook = getattr(self.module, "param_groups", None)
+        return hook if callable(hook) else None
+
+    def collate_hook(self) -> Callable[[list[Any]], Any] | None:
+        """The recipe's optional `collate(samples)`, which makes a batch of a list of samples;
+        None: torch's default_collate (`launcher.worker.data.collate_fn`)."""
+        hook = getattr(self.module, "collate", None)
+        if not callable(hook) and callable(getattr(self.module, "collate_fn", None)):
+            # DataLoader's name for it: ignored, it would leave the batches unpadded.
+            raise UsageError(
+                f"{self.source}: defines collate_fn(); the launcher calls a recipe's "
+                "collate(samples)",
+                hint="Rename it collate (docs/recipes.md#collate-padding-a-batch).",
+            )
+        return hook if callable(hook) else None
 
     def state_dict(self) -> Any:
         """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""

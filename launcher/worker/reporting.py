@@ -17,6 +17,7 @@ from launcher.parallel.base import Strategy
 from launcher.rundir.layout import Best
 from launcher.worker.flops import Speed, describe
 from launcher.worker.metrics_window import MetricsWindow
+from launcher.worker.param_groups import Grouping
 
 
 class Reporter:
@@ -36,19 +37,16 @@ class Reporter:
         monitor = spec.checkpoint.monitor or spec.early_stop.monitor
         self.shown_val = monitor or "val/loss"
 
-    def introduce(
-        self, model: torch.nn.Module, samples: int | None, resumed_at: int | None
-    ) -> None:
+    def introduce(self, grouping: Grouping, samples: int | None, resumed_at: int | None) -> None:
         """`samples`: this rank's share of an epoch; None for a stream."""
         strategy = self.strategy
-        n_params = sum(p.numel() for p in model.parameters())
         per_epoch = (
             "a stream" if self.steps_per_epoch is None else f"{self.steps_per_epoch} per epoch"
         )
         share = "its share of the stream" if samples is None else f"{samples:,} samples per epoch"
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         self.say(
-            f"{n_params:,} parameters | {strategy.name} on {strategy.replicas} x "
+            f"{grouping.count()} | {strategy.name} on {strategy.replicas} x "
             f"{strategy.device.type} | {self.total_steps} steps, {per_epoch}"
             + (f" | resumed at step {resumed_at}" if resumed_at is not None else ""),
             every_rank=True,
@@ -60,6 +58,8 @@ class Reporter:
             f"{share}",
             every_rank=True,
         )
+        for line in grouping.lines():
+            self.say(line)
 
     def say(self, text: str, every_rank: bool = False) -> None:
         if text and (every_rank or self.strategy.is_main):

@@ -4,6 +4,7 @@ once, and the line a restarted attempt starts with."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.config.spec import RunSpec
@@ -24,15 +25,18 @@ def restore(
     state: TrainState,
     strategy: Strategy,
     spec: RunSpec,
+    optim_settings: list[dict[str, Any]],
 ) -> None:
-    """Collective: every state from the checkpoint at `path`; rank 0 says what differs."""
+    """Collective: every state from the checkpoint at `path`; rank 0 says what differs.
+    `optim_settings`: each optimizer group's settings as built now, which win over the
+    checkpoint's (`apply_after_load`)."""
 
     def say(text: str) -> None:
         if strategy.is_main:
             print(text, flush=True)
 
     same_world = checkpointer.load(path)
-    apply_after_load(spec.optim, checkpointer.model.optimizer, state.scheduler)
+    apply_after_load(optim_settings, checkpointer.model.optimizer, state.scheduler)
     for note in state.notes:
         say(note)
     if state.best is not None:

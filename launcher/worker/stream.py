@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -153,10 +153,14 @@ class StreamShare(IterableDataset):
 
 
 class TaggedCollate:
-    """Collates the items and hands on the tag of the batch's last item."""
+    """Collates the items (with the recipe's `collate`, else torch's default_collate) and
+    hands on the tag of the batch's last item: the tag never reaches the collate."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] = default_collate) -> None:
+        self.collate = collate
 
     def __call__(self, items: list[tuple[Any, Tag | None]]) -> tuple[Any, Tag | None]:
-        return default_collate([item for item, _ in items]), items[-1][1]
+        return self.collate([item for item, _ in items]), items[-1][1]
 
 
 class StreamFeed:

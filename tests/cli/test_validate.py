@@ -47,6 +47,29 @@ def build_dataset(split):
 """
 
 
+FROZEN_AND_READS_A_VALUE = """
+def build_model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    model[0].requires_grad_(False)  # frozen: 40 of its 49 parameters
+    return model
+
+
+def build_dataset(split):
+    return torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+
+
+def loss(model, batch):
+    x, y = batch
+    if y.abs().max().item() > 100:  # reads a value, which the meta device does not have
+        raise ValueError("an outlier")
+    return nn.functional.mse_loss(model(x), y)
+"""
+KEYED_LOSS = "def loss(model, batch):\n    return model(batch['x']).mean()\n\n"
+TENSORS = (
+    "def build_dataset(split):\n    return torch.utils.data.TensorDataset(torch.randn(64, 4))\n"
+)
+
+
 def _validate(tmp_path: Path, *args: str, **sections: dict) -> tuple[int, str]:
     spec = write_spec(tmp_path / "run.yaml", **sections)
     result = run_train(["validate", "--config", str(spec), *args], cwd=tmp_path, timeout=90)
@@ -85,7 +108,7 @@ def test_a_mistyped_dataset_keyword_is_refused(tmp_path: Path) -> None:
 def test_a_good_spec_reports_the_model_and_the_data(tmp_path: Path) -> None:
     code, output = _validate(tmp_path, "eval.every_n_steps=5", "recipe.dataset.n_samples=1000")
     assert code == 0, output
-    assert "run.yaml: ok · model Sequential 5,313 parameters" in output
+    assert "run.yaml: ok · model Sequential 5,313 parameters, 5,313 trainable" in output
     # 1,000 samples over 2 devices x 8, the last short batch dropped: 62 steps.
     assert "train 1,000 samples (62 steps/epoch at 2 devices x 8)" in output
     assert "val 1,000 samples" in output
@@ -121,6 +144,17 @@ def test_a_stream_needs_max_steps(tmp_path: Path) -> None:
         pytest.param(MODEL + LOSS + STRINGS, ["a batch holds no tensor"], id="no-tensor"),
         pytest.param(MODEL + LOSS + EMPTY, ["build_dataset('train') is empty"], id="empty"),
         pytest.param(
+            MODEL + KEYED_LOSS + TENSORS,
+            [
+                "recipe: loss(model, batch) failed on a train batch made by torch's "
+                "default_collate:",
+                "recipe.py",
+                "in loss",
+                "TypeError: list indices must be integers or slices, not str",
+            ],
+            id="loss-on-the-batch",
+        ),
+        pytest.param(
             LOSS + BUGGY_MODEL,
             ["recipe: build_model() failed", "recipe.py", "in helper", "my model is broken"],
             id="model-raises",
@@ -142,7 +176,17 @@ def test_a_model_the_meta_device_cannot_build_is_built_for_real(tmp_path: Path) 
     body = body.replace("['not a tensor']", "[torch.ones(4)]")
     code, output = _validate(tmp_path, recipe=_recipe(tmp_path, body))
     assert code == 0, output
-    assert "model Linear 5 parameters (built on the CPU" in output
+    assert "model Linear 5 parameters, 5 trainable (built on the CPU" in output
+    assert "loss not checked (the model was built on the CPU)" in output
+
+
+def test_frozen_parameters_are_counted_apart_and_an_unchecked_loss_is_said(
+    tmp_path: Path,
+) -> None:
+    code, output = _validate(tmp_path, recipe=_recipe(tmp_path, FROZEN_AND_READS_A_VALUE))
+    assert code == 0, output
+    assert "model Sequential 49 parameters, 9 trainable" in output
+    assert "loss not checked (it cannot run on the meta device: Tensor.item())" in output
 
 
 def _module(source: str) -> Recipe:

@@ -89,7 +89,8 @@ def test_xla_end_to_end_with_logs_checkpoint_and_exact_resume(tmp_path: Path) ->
 
 
 def _gpt_spec(folder: Path, strategy: str, devices: int, batch_size: int) -> Path:
-    """A tiny GPT with dropout (XLA's own RNG), AdamW, a schedule, accumulation, clipping."""
+    """A tiny GPT with dropout (XLA's own RNG), AdamW with parameter groups, a schedule,
+    accumulation, clipping, the weights' average."""
     return _spec(
         folder,
         strategy,
@@ -100,10 +101,17 @@ def _gpt_spec(folder: Path, strategy: str, devices: int, batch_size: int) -> Pat
             "dataset": {"block_size": 16, "max_bytes": 4000},
         },
         data={"batch_size": batch_size, "shuffle": True},
-        optim={"name": "AdamW", "lr": 3e-3, "schedule": "cosine", "warmup_steps": 3},
-        train={"max_steps": 12, "grad_accum_steps": 2, "log_every": 2, "grad_clip_norm": 1.0},
+        optim={
+            "name": "AdamW", "lr": 3e-3, "schedule": "cosine", "warmup_steps": 3,
+            "kwargs": {"weight_decay": 0.1},
+            "groups": [{"params": ["*.bias", "*ln_*.weight"], "weight_decay": 0.0}],
+        },
+        train={
+            "max_steps": 12, "grad_accum_steps": 2, "log_every": 2, "grad_clip_norm": 1.0,
+            "ema": {"decay": 0.9},
+        },
         checkpoint={"every_n_steps": 5},
-    )
+    )  # fmt: skip
 
 
 @needs_xla

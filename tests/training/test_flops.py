@@ -1,12 +1,14 @@
 """Counted FLOPs (FlopCounterMode around the first micro-batch's forward and backward): the
 GPT recipe's count is the transformer formula's, the MLP's is its matmuls exactly; the figures
 reach the log line, metrics.jsonl and summary.json; the count calls nothing of the recipe's
-that the step would not (build_model once per process, loss once per micro-batch); and a
-resumed run keeps its checkpoint's count."""
+that the step would not (build_model once per process, loss once per micro-batch); a
+resumed run keeps its checkpoint's count; and what the count leaves out (an LSTM's
+recurrence) is said in one line."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,29 @@ def test_a_run_reports_flops_per_step_and_tflops(tmp_path: Path) -> None:
     assert "TFLOP/s" in result.stdout and "MFU" not in result.stdout
     status = (run / "telemetry" / "rank-0.jsonl").read_text()
     assert "tflops_per_device" in status
+
+
+def test_what_the_count_leaves_out_is_said_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    """An LSTM's recurrence (`mkldnn_rnn_layer` on a CPU, `_cudnn_rnn` on a GPU) has no
+    formula in torch's counter: the line names it, and says whether anything was counted."""
+    from launcher.worker.flops import Speed
+
+    def counted(model: torch.nn.Module, *inputs: torch.Tensor) -> str:
+        speed = Speed(torch.device("cpu"), "fp32", True, 1)
+        with speed.counting(inputs):
+            out = model(*inputs)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+        return capsys.readouterr().out
+
+    lstm = counted(torch.nn.LSTM(4, 8, batch_first=True), torch.randn(2, 5, 4))
+    assert lstm.startswith("FLOPs not counted: torch.utils.flop_counter has no formula for aten.")
+    assert re.search("rnn|lstm", lstm) and lstm.count("\n") == 1, lstm
+    recipe = load_recipe(str(REPO / "recipes" / "varlen.py"))  # its linear head is counted
+    samples = [recipe.module.build_dataset("train", n_samples=2)[i] for i in range(2)]
+    batch = recipe.module.collate(samples)
+    speed = Speed(torch.device("cpu"), "fp32", True, 1)
+    with speed.counting(batch):
+        recipe.loss(recipe.build_model(), batch)[0].backward()
+    assert capsys.readouterr().out.startswith("FLOPs partly counted: ")
+    assert speed.per_step and speed.per_step > 0
+    assert counted(torch.nn.Linear(4, 2), torch.randn(3, 4)) == ""  # all of it counted

@@ -15,7 +15,7 @@ from launcher.worker.optim import build_optimizer, fused_default
 def _fused(device_type: str, **optim: object) -> dict:
     section = OptimSection(**optim)  # type: ignore[arg-type]
     cls = getattr(torch.optim, section.name)
-    return fused_default(section, inspect.signature(cls).parameters, device_type)
+    return fused_default(cls, section, inspect.signature(cls).parameters, device_type)
 
 
 @pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
@@ -41,6 +41,8 @@ def test_torchs_default_elsewhere_or_when_the_user_chose(device_type: str, optim
 
 def test_the_users_kwargs_reach_the_optimizer_on_cpu() -> None:
     params = [torch.nn.Parameter(torch.ones(2))]
-    optimizer = build_optimizer(OptimSection(name="AdamW", kwargs={"foreach": False}), params)
+    optimizer = build_optimizer(
+        OptimSection(name="AdamW", kwargs={"foreach": False}), [{"params": params}]
+    )
     assert optimizer.defaults["foreach"] is False
     assert not optimizer.defaults.get("fused")

@@ -1,0 +1,246 @@
+"""Weights-only loading (`load.weights`): a new run starts from the weights of a checkpoint, an
+exported file or a Hugging Face folder, with a fresh optimizer and schedule, at step 0.
+
+Names are matched without the attributes of wrappers (`launcher.parallel.wrapper_names`), on both
+sides, so that a checkpoint of any strategy, an export, and a file saved from a DDP- or
+compile-wrapped model load into any strategy's model. Rank 0 matches names and shapes and tells
+every rank what to load; then
+- from a checkpoint (DCP), each rank reads only what it holds (under fsdp, its shards), straight
+  into its model, whatever strategy and world size saved it;
+- from a file, the strategy loads it (`Strategy.load_whole_weights`): under ddp and fsdp, rank 0
+  alone reads it and broadcasts each tensor, of which every rank keeps its part.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from launcher.checkpoint.export import read_tensors
+from launcher.checkpoint.format import read_metadata
+from launcher.checkpoint.weights_source import KEY, WeightsSource, find_weights, safetensors_shapes
+from launcher.config.load import LoadSection
+from launcher.errors import UsageError
+from launcher.parallel.base import Strategy
+from launcher.parallel.wrapper_names import without_wrappers
+
+_MODEL = "model."  # a checkpoint's model entries (not `optim.`, nor `ema.`)
+_SHOWN = 10  # mismatches listed; the rest are counted (as a resume's refusal does)
+
+
+@dataclass(frozen=True)
+class Match:
+    """What rank 0 found, for every rank: which names to load, and which did not fit."""
+
+    pairs: dict[str, str]  # {the source's name: the model's name}
+    values: int  # elements loaded
+    problems: list[str] = field(default_factory=list)  # shapes first, then missing, unexpected
+    skipped: list[str] = field(default_factory=list)  # the source's entries that are not tensors
+    error: tuple[str, str] | None = None  # (message, hint): the source could not be read
+
+
+def load_weights(
+    model: nn.Module, strategy: Strategy, load: LoadSection, resuming: bool = False
+) -> None:
+    """Collective: loads `load.weights` into `model`; rank 0 says what it loaded, from where.
+    Names that do not fit are refused (a UsageError on every rank), or with `load.strict:
+    false` left as the recipe initialised them and listed. Nothing without weights, or when
+    `resuming`: a resumed run's weights are its checkpoint's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if load.weights is None or resuming:
+        return
+    source = find_weights(Path(load.weights))
+    own = get_model_state_dict(model)  # this rank's tensors: shards under fsdp
+    match = strategy.from_main(_match_on_main(source, model, own) if strategy.is_main else None)
+    if match.error is not None:
+        raise UsageError(match.error[0], hint=match.error[1])
+    if match.problems and load.strict:
+        raise _refusal(source, match.problems)
+    if source.kind == "checkpoint":
+        _load_checkpoint(model, strategy, source.path, match.pairs, own)
+    else:
+        strategy.load_whole_weights(model, lambda: _read_files(source, match.pairs))
+    if strategy.is_main:
+        print(_loaded_line(source, match), flush=True)
+
+
+def _match_on_main(source: WeightsSource, model: nn.Module, own: dict[str, Any]) -> Match:
+    """Rank 0's match, or what kept it from reading the source (said on every rank)."""
+    try:
+        theirs, skipped = _source_shapes(source)
+        ours = {name: tuple(t.shape) for name, t in own.items() if isinstance(t, torch.Tensor)}
+        match = match_names(theirs, ours, _tied(model), _noun(source))
+    except UsageError as exc:
+        return Match({}, 0, error=(exc.message, exc.hint))
+    return Match(match.pairs, match.values, match.problems, skipped)
+
+
+def match_names(
+    theirs: dict[str, tuple[int, ...]],
+    ours: dict[str, tuple[int, ...]],
+    tied: dict[str, set[str]] | None = None,
+    noun: str = "weights",
+) -> Match:
+    """Pairs the source's names (`theirs`: {name: shape}) with the model's (`ours`), matched
+    without wrappers. A model's name the source lacks is forgiven where a weight tied to it
+    (`tied`: {bare name: the bare names of the same tensor}) is loaded: Hugging Face and
+    safetensors keep one name of tied weights."""
+    bare_theirs, bare_ours = _by_bare_name(theirs), _by_bare_name(ours)
+    pairs, problems, values, loaded = {}, [], 0, set()
+    for bare in sorted(bare_theirs.keys() & bare_ours.keys()):
+        name, own = bare_theirs[bare], bare_ours[bare]
+        if tuple(theirs[name]) != tuple(ours[own]):
+            problems.append(f"shape of {bare}: {noun} {list(theirs[name])}, run {list(ours[own])}")
+            continue
+        pairs[name] = own
+        values += math.prod(ours[own])
+        loaded.add(bare)
+    missing = [
+        b
+        for b in sorted(bare_ours.keys() - bare_theirs.keys())
+        if not (tied or {}).get(b, set()) & loaded
+    ]
+    problems += [f"missing from the {noun}: {bare}" for bare in missing]
+    problems += [
+        f"not in the run: {bare}" for bare in sorted(bare_theirs.keys() - bare_ours.keys())
+    ]
+    return Match(pairs, values, problems)
+
+
+def _by_bare_name(names: dict[str, Any]) -> dict[str, str]:
+    """{name without wrappers: name}."""
+    bare: dict[str, str] = {}
+    for name in names:
+        other = bare.setdefault(without_wrappers(name), name)
+        if other != name:
+            raise UsageError(f"{KEY}: {other} and {name} differ only by a wrapper's name")
+    return bare
+
+
+def _tied(model: nn.Module) -> dict[str, set[str]]:
+    """{a parameter's name: every name of the same tensor}, without wrappers, for the
+    parameters that have several."""
+    names: dict[int, set[str]] = defaultdict(set)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].add(without_wrappers(name))
+    return {name: group for group in names.values() if len(group) > 1 for name in group}
+
+
+def _source_shapes(source: WeightsSource) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """{name: shape} of the source's tensors (a checkpoint's model entries without their
+    `model.`), and the names of its entries that are not tensors."""
+    if source.kind == "checkpoint":
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        saved = read_metadata(source.path, KEY).state_dict_metadata
+        model = {k.removeprefix(_MODEL): md for k, md in saved.items() if k.startswith(_MODEL)}
+        shapes = {
+            k: tuple(md.size) for k, md in model.items() if isinstance(md, TensorStorageMetadata)
+        }
+        return shapes, sorted(model.keys() - shapes.keys())
+    if source.kind == "torch":
+        state = _torch_load(source.files[0])
+        shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return shapes, sorted(str(k) for k in state.keys() - shapes.keys())
+    shapes = {}
+    for file in source.files:
+        shapes.update({k: tuple(v) for k, v in safetensors_shapes(file).items()})
+    return shapes, []
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    """A `torch.save`d state dict, never unpickling code; memory-mapped where it can be."""
+    try:
+        state = torch.load(
+            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+        )
+    except Exception as exc:  # torch raises a different type for each way a file is broken
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{KEY} {path}: cannot read it ({reason})") from exc
+    tensors = isinstance(state, dict) and any(isinstance(v, torch.Tensor) for v in state.values())
+    if not tensors:
+        found = (
+            f"a {type(state).__name__}"
+            if not isinstance(state, dict)
+            else f"keys {', '.join(map(str, list(state)[:5]))}"
+        )
+        raise UsageError(
+            f"{KEY} {path}: not a state dict of tensors ({found})",
+            hint="Save the model's weights alone: torch.save(model.state_dict(), path), or "
+            "train export a run's checkpoint.",
+        )
+    return state
+
+
+def _load_checkpoint(
+    model: nn.Module, strategy: Strategy, path: Path, pairs: dict[str, str], own: dict[str, Any]
+) -> None:
+    """Each rank reads what it holds of the checkpoint's tensors into its own."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = {_MODEL + name: own[target] for name, target in pairs.items()}
+    read_tensors(state, path, KEY, strategy.load_planner())
+    loaded = {target: state[_MODEL + name] for name, target in pairs.items()}
+    # DCP filled the tensors in place; where they are copies of the model's (XLA), this
+    # puts them in the model.
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+
+
+def _read_files(source: WeightsSource, pairs: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The files' tensors that are loaded, named as the model names them."""
+    if source.kind == "torch":
+        state = _torch_load(source.files[0])
+        return {pairs[name]: tensor for name, tensor in state.items() if name in pairs}
+    from safetensors import safe_open
+
+    out = {}
+    for file in source.files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in set(f.keys()) & pairs.keys():
+                out[pairs[name]] = f.get_tensor(name)
+    return out
+
+
+def _noun(source: WeightsSource) -> str:
+    return "checkpoint" if source.kind == "checkpoint" else "weights"
+
+
+def _refusal(source: WeightsSource, problems: list[str]) -> UsageError:
+    n = len(problems)
+    return UsageError(
+        f"{KEY} {source.describe()}: these weights do not fit the model ({n} mismatched "
+        f"name{'s' if n > 1 else ''}):",
+        details=_first(problems),
+        hint="Load weights of the same recipe and recipe.model, or set load.strict: false to "
+        "load the names that fit (the others keep the recipe's initialisation).",
+    )
+
+
+def _first(problems: list[str]) -> list[str]:
+    more = [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
+    return problems[:_SHOWN] + more
+
+
+def _loaded_line(source: WeightsSource, match: Match) -> str:
+    lines = [
+        f"{KEY}: loaded {len(match.pairs)} tensors ({match.values:,} values) from "
+        f"{source.describe()}; step 0, a fresh optimizer and schedule"
+    ]
+    if match.skipped:
+        skipped = ", ".join(match.skipped)
+        lines.append(f"{KEY}: skipped {len(match.skipped)} entries that are not tensors: {skipped}")
+    if match.problems:
+        lines.append(
+            f"{KEY}: load.strict: false: {len(match.problems)} names did not fit; the model "
+            "keeps the recipe's initialisation for them:"
+        )
+        lines += [f"  {problem}" for problem in _first(match.problems)]
+    return "\n".join(lines)

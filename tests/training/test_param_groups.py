@@ -1,0 +1,240 @@
+"""Parameter groups (`optim.groups`, a recipe's `param_groups`), any optimizer by dotted path,
+frozen parameters, the weights' average (`train.ema`): each takes effect on 2 processes under
+ddp and fsdp, and a resumed run continues them bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+# A model whose `kept` and `decayed` get exactly zero gradients: AdamW moves them only by its
+# weight decay, so `kept` (weight_decay 0) must stay ones and `decayed` shrink by
+# (1 - lr * weight_decay) a step. `head` is in a group of lr 0; `frozen` needs no gradient.
+RECIPE = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+        self.kept = nn.Parameter(torch.ones(8))
+        self.decayed = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        out = self.head(torch.relu(self.body(self.frozen(x))))
+        return out + 0 * (self.kept.sum() + self.decayed.sum())
+
+def build_model():
+    return Net()
+
+def build_dataset(split):
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    x = torch.randn(256, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+HOOK = """
+def param_groups(model):
+    others = [p for n, p in model.named_parameters() if n != "kept" and p.requires_grad]
+    return [{"params": [model.kept], "weight_decay": 0.0}, {"params": others}]
+"""
+LR, DECAY, STEPS = 0.01, 0.5, 6
+GROUPS = [{"params": ["kept"], "weight_decay": 0.0}, {"params": ["head.*"], "lr": 0.0}]
+
+
+def _spec(folder: Path, recipe: str, strategy: str, **sections: dict) -> Path:
+    (folder / "grouped.py").write_text(recipe)
+    optim = {
+        "name": "AdamW",
+        "lr": LR,
+        "kwargs": {"weight_decay": DECAY},
+        **sections.pop("optim", {}),
+    }
+    return write_spec(
+        folder / "run.yaml",
+        launch={"strategy": strategy},
+        recipe={"source": str(folder / "grouped.py"), "dataset": {}},
+        optim=optim,
+        train={"max_steps": STEPS, "log_every": 1, **sections.pop("train", {})},
+        checkpoint={"every_n_steps": 2},
+        **sections,
+    )
+
+
+def _checkpoint(run: Path, step: int, scratch: Path) -> dict[str, torch.Tensor]:
+    out = scratch / f"step-{step}.pt"
+    dcp_to_torch_save(run / "checkpoints" / f"step-{step:08d}", out)
+    state = torch.load(out, weights_only=True)
+    return {**state["model"], **{f"ema.{k}": v for k, v in state.get("ema", {}).items()}}
+
+
+def _losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(
+    ("strategy", "schedule", "ema"),
+    [("ddp", "wsd", None), ("fsdp", "linear", {"decay": 0.9})],
+)
+def test_groups_take_effect_and_resume_bitwise(
+    tmp_path: Path, strategy: str, schedule: str, ema: dict | None
+) -> None:
+    spec = _spec(
+        tmp_path, RECIPE, strategy,
+        optim={"groups": GROUPS, "schedule": schedule, "warmup_steps": 2},
+        train={"ema": ema},
+        eval={"every_n_steps": 3 if ema else None},
+    )  # fmt: skip
+    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "85 parameters (65 trainable)" in out  # not the frozen Linear's 20
+    assert "optim group 1 ['kept']: 1 tensor, 8 parameters, weight_decay=0.0" in out
+    assert "optim group 2 ['head.*']: 2 tensors, 9 parameters, lr=0.0" in out
+    run = only_run_dir(tmp_path / "runs")
+    first, last = _checkpoint(run, 2, tmp_path), _checkpoint(run, STEPS, tmp_path)
+    assert torch.equal(last["kept"], torch.ones(8))
+    lrs = [json.loads(r).get("lr") for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len({lr for lr in lrs if lr is not None}) >= 2  # the schedule moved the rate
+    assert all(r["grad_norm"] > 0 for r in metrics_of(run) if "loss" in r)
+    assert last["decayed"].max() < 1 - 2 * LR * DECAY * 0.5  # decayed, by every group's lr
+    for name in ("head.weight", "head.bias", "frozen.weight"):
+        assert torch.equal(first[name], last[name]), name
+    assert not torch.equal(first["body.weight"], last["body.weight"])
+    if ema:  # the average is of the trained weights, and is evaluated beside them
+        assert not torch.equal(last["ema.body.weight"], last["body.weight"])
+        assert torch.equal(last["ema.head.weight"], last["head.weight"])  # lr 0: no change
+        assert "ema.frozen.weight" not in last
+        evals = [r for r in metrics_of(run) if "val/loss" in r]
+        assert [r["step"] for r in evals] == [3, 6]
+        assert all(r["val_ema/loss"] != r["val/loss"] for r in evals)
+    _check_export_of_the_average(run, tmp_path, last if ema else None)
+    # Resumed at step 2, it ends exactly where the uninterrupted run ended.
+    branch = tmp_path / "branch"
+    resumed = run_train(
+        ["--config", str(spec), "--resume", str(run / "checkpoints" / "step-00000002"),
+         "--run-dir", str(branch)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    again = _checkpoint(branch, STEPS, tmp_path / "branch")
+    assert again.keys() == last.keys()
+    for key in last:
+        assert torch.equal(again[key], last[key]), key
+    assert {s: v for s, v in _losses(run).items() if s > 2} == _losses(branch)
+
+
+def test_a_recipes_param_groups_and_a_dotted_optimizer(tmp_path: Path) -> None:
+    (tmp_path / "my_optimizers.py").write_text(
+        "import torch\n\nclass Decoupled(torch.optim.AdamW):\n    pass\n"
+    )
+    spec = _spec(tmp_path, RECIPE + HOOK, "ddp", optim={"name": "my_optimizers.Decoupled"})
+    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "optim param_groups() group 1: 1 tensor, 8 parameters, weight_decay=0.0" in out
+    last = _checkpoint(only_run_dir(tmp_path / "runs"), STEPS, tmp_path)
+    assert torch.equal(last["kept"], torch.ones(8))
+    assert last["decayed"].max() < 1
+    # The hook and optim.groups together: one must go.
+    both = run_train(["--config", str(spec), f"optim.groups={json.dumps(GROUPS)}"], cwd=tmp_path)
+    usage_error(both, "optim.groups", "param_groups(model)")
+
+
+def test_a_pattern_that_matches_nothing_names_close_names(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, RECIPE, "ddp", optim={"groups": [{"params": ["heads.*"], "lr": 0}]})
+    expected = ("optim.groups: group 1's pattern 'heads.*' matches no parameter", "head.")
+    usage_error(run_train(["validate", "--config", str(spec)], cwd=tmp_path), *expected)
+    usage_error(run_train(["--config", str(spec)], cwd=tmp_path), *expected)
+    good = _spec(tmp_path, RECIPE, "ddp", optim={"groups": GROUPS})
+    checked = run_train(["validate", "--config", str(good)], cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "85 parameters, 65 trainable in 3 optimizer groups" in checked.stdout
+
+
+@pytest.mark.parametrize(
+    ("optim", "expected"),
+    [
+        ({"name": "no_such_module.Fast"}, "cannot import no_such_module"),
+        ({"name": "torch.nn.Linear"}, "not a torch.optim.Optimizer subclass"),
+        ({"groups": [{"params": ["*.bias"], "momentum": 0.9}]}, "AdamW does not take momentum"),
+        ({"groups": [{"weight_decay": 0.0}]}, "expected `params:`"),
+        ({"schedule": "cosine", "decay_steps": 10}, "decay_steps: only `schedule: wsd`"),
+    ],
+)
+def test_bad_optim_keys_are_refused_before_anything_starts(
+    tmp_path: Path, optim: dict, expected: str
+) -> None:
+    spec = _spec(tmp_path, RECIPE, "ddp", optim=optim)
+    usage_error(run_train(["--config", str(spec)], cwd=tmp_path), expected)
+
+
+def test_a_resume_may_regroup_the_parameters(tmp_path: Path) -> None:
+    """Groups and their settings are the spec's now: each parameter's own optimizer state
+    continues, whatever group it is in."""
+    spec = _spec(tmp_path, RECIPE, "ddp", optim={"groups": GROUPS}, train={"max_steps": 4})
+    assert run_train(["--config", str(spec)], cwd=tmp_path).returncode == 0
+    run = only_run_dir(tmp_path / "runs")
+    resumed = run_train(
+        ["--config", str(spec), "--resume", str(run), "optim.groups=[]", "train.max_steps=6"],
+        cwd=tmp_path,
+    )
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert "changed on resume: optim.groups" in out
+    before, after = _checkpoint(run, 4, tmp_path), _checkpoint(run, 6, tmp_path)
+    assert not torch.equal(before["head.weight"], after["head.weight"])  # lr 0 no more
+    assert after["kept"].max() < 1  # now decayed with the rest
+
+
+def test_the_average_follows_the_weights_by_its_decay() -> None:
+    from launcher.worker.ema import WeightAverage
+
+    model = torch.nn.Linear(3, 2)
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    both = torch.nn.Sequential(model, frozen)
+    average = WeightAverage(both, decay=0.75)
+    assert list(average.state_dict()) == ["0.weight", "0.bias"]
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(4.0)
+    average.update()
+    assert torch.allclose(average.state_dict()["0.weight"], start + 1.0)
+    with average.swapped_in():
+        assert torch.allclose(model.weight, start + 1.0)
+    assert torch.equal(model.weight, start + 4.0)
+
+
+def _check_export_of_the_average(
+    run: Path, folder: Path, saved: dict[str, torch.Tensor] | None
+) -> None:
+    """`train export --ema` writes the average, which the recipe's model loads strictly; a
+    run without one is refused."""
+    out = folder / "average.pt"
+    result = run_train(["export", str(run), "--ema", "--out", str(out)], cwd=folder)
+    if saved is None:
+        usage_error(result, "--ema: this checkpoint holds no average")
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    namespace: dict = {}
+    exec(RECIPE, namespace)  # the recipe's own model, as a user would build it
+    model = namespace["build_model"]()
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    assert torch.equal(model.body.weight, saved["ema.body.weight"])
+    assert torch.equal(model.frozen.weight, saved["frozen.weight"])  # not averaged

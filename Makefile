@@ -77,6 +77,7 @@ bench: env
 	$(VENV)/bin/python bench/fsdp_overhead.py
 	$(VENV)/bin/python bench/cli_startup.py
 	$(VENV)/bin/python bench/failure_memory.py
+	$(VENV)/bin/python bench/ema_cost.py
 
 # bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
 # spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.

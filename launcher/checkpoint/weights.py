@@ -53,10 +53,11 @@ def load_weights(
     Names that do not fit are refused (a UsageError on every rank), or with `load.strict:
     false` left as the recipe initialised them and listed. Nothing without weights, or when
     `resuming`: a resumed run's weights are its checkpoint's."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     if load.weights is None or resuming:
         return
+    # DCP's modules take half a second to import: not on every run's way to step 1.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     source = find_weights(Path(load.weights))
     own = get_model_state_dict(model)  # this rank's tensors: shards under fsdp
     match = strategy.from_main(_match_on_main(source, model, own) if strategy.is_main else None)

@@ -201,6 +201,37 @@ def _end_children() -> None:
         child.join(timeout=10)
 
 
+# The first CPython release of each line without gh-112275 (3.12 never had it).
+_FORK_HANG_FIXED_IN = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
+
+
+def forked_workers_may_hang(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
+    """Whether this CPython can leave a forked child (a DataLoader worker) hung for good as it
+    starts: the child waits on the lock of the interpreter's thread list when another thread
+    held it at the fork, and C++ threads take that lock, without the GIL, whenever they enter
+    Python (gloo's threads do, as they free a collective's tensors). Python code cannot keep
+    other threads off that lock, so no fork hook here can help: only a fixed CPython does."""
+    fixed_in = _FORK_HANG_FIXED_IN.get(tuple(version[:2]))
+    return sys.implementation.name == "cpython" and fixed_in is not None and version < fixed_in
+
+
+def warn_of_fork_hang(
+    num_workers: int, version: tuple[int, ...] = tuple(sys.version_info[:3])
+) -> None:
+    """Says so once (on rank 0) when the run forks DataLoader workers on such a CPython: the
+    hang is rare and stops the run on launch.stall_timeout with nothing else to explain it."""
+    if num_workers and forked_workers_may_hang(version):
+        python = ".".join(str(part) for part in version[:3])
+        print(
+            # Not "DataLoader worker": that is how torch says one died, and tests look for it.
+            f"WARNING: data.num_workers: Python {python} can leave a forked loader process hung "
+            "as it starts (CPython bug gh-112275, fixed in 3.10.15 and 3.11.10); the run then "
+            "stops on launch.stall_timeout. Use a newer Python, or data.num_workers: 0",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _own_rank(plan: WorkerPlan) -> int:
     # On a TPU pod every host's agent numbers its processes from 0: the plan says where this
     # host's ranks start.
@@ -260,6 +291,8 @@ def _train(plan: WorkerPlan) -> int:
     strategy = None
     try:
         spec = plan.run_spec()
+        if _own_rank(plan) == 0:
+            warn_of_fork_hang(spec.data.num_workers)
         strategy = build_strategy(spec, plan.accelerator, plan.compile_cache)
         strategy.setup()
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -35,8 +35,9 @@ def _plain_means(model: torch.nn.Module, samples: list[dict]) -> tuple[float, fl
     return stacked.pow(2).mean().item(), stacked.abs().mean().item()
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize(("devices", "workers"), [(1, 0), (2, 2), (3, 0)])
+@pytest.mark.parametrize(
+    ("devices", "workers"), [pytest.param(1, 0, marks=pytest.mark.smoke), (2, 2), (3, 0)]
+)
 def test_padded_batches_give_the_exact_val_mean(tmp_path: Path, devices: int, workers: int) -> None:
     """37 val samples in batches of 4: not a multiple of 2 or 3 processes, nor of the batch.
     On 2 processes the last batch of rank 1 is cut to its real samples before collate pads

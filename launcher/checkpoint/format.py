@@ -173,11 +173,10 @@ def check_matches(path: Path, state: dict[str, Any], limit: int = 10) -> None:
     if any(key.startswith("ema.") for key in flat):  # a run that averages the weights
         problems += _mismatches(flat, saved, "ema.")
     if problems:
-        more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
         raise UsageError(
             f"--resume {path}: this checkpoint does not fit the model and optimizer "
             f"({len(problems)} mismatched key{'s' if len(problems) > 1 else ''}):",
-            details=problems[:limit] + more,
+            details=first_problems(problems, limit),
             hint="Resume with the recipe, recipe.model and optim.name it was saved with "
             "(see its meta.json), or start a new run.",
         )
@@ -192,6 +191,12 @@ GROUP_SETTINGS = "optim.param_groups."
 def loaded_keys(flat: dict[str, Any]) -> dict[str, Any]:
     """The entries of a flattened state that a load reads from a checkpoint."""
     return {k: v for k, v in flat.items() if not k.startswith(GROUP_SETTINGS)}
+
+
+def first_problems(problems: list[str], limit: int = 10) -> list[str]:
+    """The first `limit` mismatches of a refusal, and how many more there are."""
+    more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
+    return problems[:limit] + more
 
 
 def _mismatches(ours: dict[str, Any], theirs: dict[str, Any], prefix: str) -> list[str]:

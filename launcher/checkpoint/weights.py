@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from launcher.checkpoint.export import read_tensors
-from launcher.checkpoint.format import read_metadata
+from launcher.checkpoint.format import first_problems, read_metadata
 from launcher.checkpoint.weights_source import KEY, WeightsSource, find_weights, safetensors_shapes
 from launcher.config.load import LoadSection
 from launcher.errors import UsageError
@@ -32,7 +32,6 @@ from launcher.parallel.base import Strategy
 from launcher.parallel.wrapper_names import without_wrappers
 
 _MODEL = "model."  # a checkpoint's model entries (not `optim.`, nor `ema.`)
-_SHOWN = 10  # mismatches listed; the rest are counted (as a resume's refusal does)
 
 
 @dataclass(frozen=True)
@@ -219,15 +218,10 @@ def _refusal(source: WeightsSource, problems: list[str]) -> UsageError:
     return UsageError(
         f"{KEY} {source.describe()}: these weights do not fit the model ({n} mismatched "
         f"name{'s' if n > 1 else ''}):",
-        details=_first(problems),
+        details=first_problems(problems),
         hint="Load weights of the same recipe and recipe.model, or set load.strict: false to "
         "load the names that fit (the others keep the recipe's initialisation).",
     )
-
-
-def _first(problems: list[str]) -> list[str]:
-    more = [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
-    return problems[:_SHOWN] + more
 
 
 def _loaded_line(source: WeightsSource, match: Match) -> str:
@@ -243,5 +237,5 @@ def _loaded_line(source: WeightsSource, match: Match) -> str:
             f"{KEY}: load.strict: false: {len(match.problems)} names did not fit; the model "
             "keeps the recipe's initialisation for them:"
         )
-        lines += [f"  {problem}" for problem in _first(match.problems)]
+        lines += [f"  {problem}" for problem in first_problems(match.problems)]
     return "\n".join(lines)

@@ -192,13 +192,19 @@ class OptimSection(Section):
 
 
 def _check_options(name: str, options: dict[str, Any], where: str, allow_lr: bool) -> None:
+    problem = unknown_options(name, options, allow_lr)
+    if problem:
+        raise ValueError(f"{where}{problem}")
+
+
+def unknown_options(name: str, options: dict[str, Any], allow_lr: bool = True) -> str | None:
+    """What is wrong with `options` for the optimizer `name` (keys it does not take), or None;
+    also None for a name that names no optimizer (its own error says so)."""
     optimizer = _find_optimizer(name)
     if isinstance(optimizer, str):
-        return  # the name's own error says what is wrong
+        return None
     accepted = [p for p in accepted_options(optimizer) if allow_lr or p != "lr"]
     wrong = [k for k in options if k not in accepted]
-    if wrong:
-        raise ValueError(
-            f"{where}{optimizer.__name__} does not take {', '.join(wrong)}; it takes: "
-            f"{', '.join(accepted)}"
-        )
+    if not wrong:
+        return None
+    return f"{optimizer.__name__} does not take {', '.join(wrong)}; it takes: {', '.join(accepted)}"

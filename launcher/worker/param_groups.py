@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config.optim import OptimSection, accepted_options, optimizer_class
+from launcher.config.optim import OptimSection, unknown_options
 from launcher.errors import UsageError
 from launcher.parallel.wrapper_names import bare_model, named_parameters
 from launcher.worker.recipe import Recipe
@@ -142,16 +142,12 @@ def _from_hook(
             "(the parameters) and the optimizer settings of that group"
         )
     ours = {id(p): n for n, p in trainable}
-    accepted = accepted_options(optimizer_class(optim.name))
     groups = []
     for i, spec in enumerate(given):
         options = {k: v for k, v in spec.items() if k != "params"}
-        wrong = [k for k in options if k not in accepted]
-        if wrong:
-            raise UsageError(
-                f"recipe: param_groups() group {i + 1}: {optim.name} does not take "
-                f"{', '.join(wrong)}; it takes: {', '.join(accepted)}"
-            )
+        problem = unknown_options(optim.name, options)
+        if problem:
+            raise UsageError(f"recipe: param_groups() group {i + 1}: {problem}")
         params = [p for p in _params_of(spec["params"]) if p.requires_grad]
         groups.append(Group(f"param_groups() group {i + 1}", params, options))
     _check_hook_coverage(groups, ours)

@@ -1,6 +1,6 @@
 # make demo   set up .venv and train configs/quickstart.yaml on 2 CPU processes
 # make test   set up and run every test (and lint)
-# make bench  the launcher against hand-written torchrun loops, ddp and fsdp (writes bench/results/)
+# make bench  the launcher against hand-written torchrun loops, ddp, fsdp, HSDP and TP (writes bench/results/)
 # make bench-gpu-smoke  bench/gpu_bench.py's rows, tiny, on CPU (before a GPU session runs it)
 # make gpu-wheels       the wheels its GPU run carries, into bench/wheels/ (BENCHMARKS.md)
 
@@ -75,9 +75,11 @@ bench: env
 	$(VENV)/bin/python bench/log_flood.py
 	$(VENV)/bin/python bench/eval_cost.py
 	$(VENV)/bin/python bench/fsdp_overhead.py
+	$(VENV)/bin/python bench/dims_overhead.py
 	$(VENV)/bin/python bench/cli_startup.py
 	$(VENV)/bin/python bench/failure_memory.py
 	$(VENV)/bin/python bench/ema_cost.py
+	$(VENV)/bin/python bench/runs_scale.py
 
 # bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
 # spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.

@@ -27,6 +27,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from launcher.metrics.step_times import read_sample  # noqa: E402
+from launcher.rundir.layout import RunLayout  # noqa: E402
+
 # Must match bench/gpt_bench.yaml: recipe kwargs, per-process batch size, lr and steps.
 HANDWRITTEN_ARGS = (
     "--steps 250 --batch-size 8 --lr 1e-3 --n-layer 4 --n-embd 128 --n-head 4 "
@@ -88,7 +92,9 @@ def measure(summary_path: Path, start: float, wall: float) -> dict:
     if not summary_path.is_file():
         raise CommandFailed(f"command succeeded but wrote no summary at {summary_path}")
     summary = json.loads(summary_path.read_text())
-    times = summary["step_times_s"]
+    # The hand-written loop's every step; the launcher's in the run's step-time sample (every
+    # step of a run this short).
+    times = summary.get("step_times_s") or read_sample(RunLayout(summary_path.parent).step_times)
     # The first steps include lazy allocation and allocator warm-up, not steady state.
     skip = max(5, len(times) // 10)
     if len(times) <= skip:
@@ -98,6 +104,9 @@ def measure(summary_path: Path, start: float, wall: float) -> dict:
         "first_step_ms": 1000 * (summary["first_step_end_unix"] - start),
         "steady_ms_per_step": 1000 * statistics.median(times[skip:]),
         "steps_run": summary["steps_run"],
+        # Both write it (the hand-written loop's: the mean over every step and rank), so that
+        # a benchmark can check the two did the same work.
+        "final_loss": summary.get("final_loss"),
     }
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launcher.config.loader import load_spec  # noqa: E402
+from launcher.config.loader import load_cli_spec  # noqa: E402
+from launcher.parallel.dims import resolve_dims  # noqa: E402
 
 CONFIG = REPO / "bench/gpt_fsdp_bench.yaml"
 RESULTS = REPO / "bench/results"
@@ -35,7 +36,7 @@ RESULTS = REPO / "bench/results"
 def handwritten_args(config: Path) -> list[str]:
     """bench/handwritten_ddp.py's arguments for the run that `config` describes, read through
     the launcher's own spec loader (defaults applied, `1e-3` a number) as `train` reads it."""
-    spec = load_spec(config)
+    spec = load_cli_spec(config)
     model, dataset = spec.recipe.model, spec.recipe.dataset
     # The hand-written loop hard-codes these; a YAML that strays from them is another run.
     fixed = {
@@ -58,6 +59,14 @@ def handwritten_args(config: Path) -> list[str]:
         "--max-bytes": dataset["max_bytes"],
         "--clip": spec.train.grad_clip_norm,
     }
+    # The parallel section as the launcher resolves it on this run's processes (HSDP, TP:
+    # bench/dims_overhead.py); a plain fsdp run has neither.
+    devices = int(spec.launch.devices)  # a number in every bench YAML
+    dims = resolve_dims(spec.parallel, "fsdp", devices, devices)
+    if dims.dp_replicate > 1:
+        values["--dp-replicate"] = dims.dp_replicate
+    if dims.tp > 1:
+        values["--tp"] = dims.tp
     return ["--fsdp", *(str(x) for pair in values.items() for x in pair)]
 
 

@@ -51,6 +51,8 @@ from compare import CommandFailed, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from launcher.metrics.step_times import read_sample  # noqa: E402
+from launcher.rundir.layout import RunLayout  # noqa: E402
 from launcher.worker.flops import count_flops, peak_flops  # noqa: E402
 from launcher.worker.recipe import load_recipe  # noqa: E402
 
@@ -207,7 +209,9 @@ def run_ours(row: dict, steps: int, device: str, folder: Path, timeout: float) -
     _, wall = run_command(argv, dict(os.environ), timeout, folder / "output.log")
     for found in (run_dir / "profile").glob("*"):
         found.rename(folder / ("trace.json" if found.suffix == ".json" else found.name))
-    return {**json.loads((run_dir / "summary.json").read_text()), "wall_s": wall}
+    summary = json.loads(RunLayout(run_dir).summary.read_text())
+    # Every step's time (a sample of them past 1,024 steps), as the Lightning rows list them.
+    return {**summary, "step_times_s": read_sample(RunLayout(run_dir).step_times), "wall_s": wall}
 
 
 def run_checkpoints(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:

@@ -99,7 +99,7 @@ def build_dataset(
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
-        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
@@ -107,14 +107,15 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            part.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-            for part in self.qkv(x).split(c, dim=2)
-        )
+        b, t, _ = x.shape
+        # qkv's outputs are laid out head by head ([q k v] of head 0, then of head 1, ...), and
+        # the number of heads is read from them: under tensor parallelism each process holds
+        # whole heads of its own (`parallelize`).
+        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)
+        q, k, v = (part.transpose(1, 2) for part in qkv.unbind(dim=3))
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -229,6 +230,28 @@ def build_model(
         bias: whether Linear and LayerNorm layers have biases.
     """
     return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
+
+
+def parallelize(model: GPT, mesh: object) -> None:
+    """Tensor parallelism (`parallel.tp`), Megatron's split: each block's attention heads and
+    MLP columns divided among the processes of `mesh`, whose outputs an all-reduce sums after
+    each block's second matmul; the head gathers the full logits. Embeddings and layer norms
+    stay whole on every process."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "blocks.*.attn.qkv": ColwiseParallel(),
+        "blocks.*.attn.proj": RowwiseParallel(),
+        "blocks.*.mlp.fc": ColwiseParallel(),
+        "blocks.*.mlp.proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
 
 
 def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -232,7 +232,8 @@ def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any
     """Collective: fills `state` in place, never unpickling arbitrary code.
 
     Returns this rank's own saved state (RNG, loop), or None when the checkpoint was saved
-    with another world size, where per-rank streams cannot continue exactly.
+    with another world size or tensor-parallel degree, where per-rank streams cannot continue
+    exactly.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -249,9 +250,17 @@ def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any
         dcp.load(flat, checkpoint_id=path, planner=planner)
     for key, value in flat.items():  # tensors were filled in place; plain values replaced
         set_element(state, mapping[key], value)
-    if read_meta(path).get("world_size") != strategy.world_size:
+    if not same_data_ranks(read_meta(path), strategy):
         return None
     return torch.load(CheckpointFiles(path).rank_state(strategy.rank), weights_only=True)
+
+
+def same_data_ranks(meta: dict[str, Any], strategy: Strategy) -> bool:
+    """Whether each rank of this run takes the data the same rank of the checkpoint's took:
+    the same world, and the same tensor-parallel degree (which maps ranks to data-parallel
+    ranks). Sharding and replication change nothing of it."""
+    tp = strategy.dims.tp if strategy.dims else 1
+    return meta.get("world_size") == strategy.world_size and meta.get("tp", 1) == tp
 
 
 @contextlib.contextmanager

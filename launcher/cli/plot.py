@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -51,10 +52,12 @@ def plot_command(
     matplotlib (--out) or plotext (the terminal): pip install 'launcher\\[viz]'."""
 
     def draw() -> int:
-        from launcher.runs.plot import draw_in_terminal, load_panels, save_figure
+        from launcher.runs.plot import FIGURE_COLUMNS, draw_in_terminal, load_panels, save_figure
 
         metrics = [m.strip() for given in metric or [] for m in given.split(",") if m.strip()]
-        panels = load_panels(run_dirs, metrics, x.value)
+        # Each curve cut down to what can be drawn: the figure's width, or the terminal's.
+        width = FIGURE_COLUMNS if out is not None else shutil.get_terminal_size().columns
+        panels = load_panels(run_dirs, metrics, x.value, width)
         if out is not None:
             save_figure(panels, out, x.value)
             typer.echo(f"wrote {out}")

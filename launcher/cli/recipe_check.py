@@ -22,9 +22,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from launcher.cli.memory_check import estimate_line
 from launcher.config.spec import RecipeSection, RunSpec
 from launcher.errors import UsageError
 from launcher.parallel.base import map_tensors
+from launcher.parallel.tensor_parallel import check_plan
 from launcher.worker.data import (
     batch_size,
     build_loader,
@@ -116,13 +118,16 @@ def _unknown(key: str, given: str, name: str, valid: list[str]) -> str:
 def dry_build(spec: RunSpec, origin: str = "") -> str:
     """Builds what a worker builds, without training: the train split and one batch of it,
     the val split when the run evaluates, and the model on the meta device, and runs the
-    recipe's loss on that model and batch. Returns a summary (parameters, samples); raises
-    `UsageError` for what the run would fail on."""
+    recipe's loss on that model and batch. Returns a summary (parameters, samples), and on a
+    second line the memory the layout needs per device; raises `UsageError` for what the run
+    would fail on."""
     recipe = load_checked(spec, origin)
     model, on_meta, model_part = _model_summary(recipe, spec.recipe.model)
     grouping = group_parameters(spec.optim, model, recipe)  # a pattern that matches nothing
     if grouping.custom:
         model_part += f" in {len(grouping.groups)} optimizer groups"
+    if spec.parallel.tp > 1:
+        check_plan(model, recipe.parallelize_hook(), spec.parallel.tp)
     train_part, batch = _train_summary(recipe, spec)
     parts = [model_part, train_part]
     if spec.eval.every_n_steps is not None:
@@ -130,7 +135,8 @@ def dry_build(spec: RunSpec, origin: str = "") -> str:
     unchecked = _check_loss(recipe, model, batch) if on_meta else "the model was built on the CPU"
     if unchecked:
         parts.append(f"loss not checked ({unchecked})")
-    return " · ".join(parts)
+    devices = spec.launch.devices if isinstance(spec.launch.devices, int) else 1
+    return " · ".join(parts) + "\n" + estimate_line(spec, recipe, batch, devices)
 
 
 def _model_summary(recipe: Recipe, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, bool, str]:
@@ -177,6 +183,11 @@ def _train_summary(recipe: Recipe, spec: RunSpec) -> tuple[str, Any]:
         shape += f" x {spec.train.grad_accum_steps} micro-steps"
     size = dataset_length(dataset, "train")
     return f"train {size:,} samples ({steps:,} steps/epoch at {shape})", batch
+
+
+def first_train_batch(recipe: Recipe, spec: RunSpec) -> Any:
+    """The train split's first batch, as rank 0 gets it (`launcher.cli.memory_check`)."""
+    return _train_summary(recipe, spec)[1]
 
 
 def _val_summary(recipe: Recipe, spec: RunSpec) -> str:

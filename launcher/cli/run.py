@@ -26,6 +26,7 @@ from launcher.errors import UsageError
 if TYPE_CHECKING:
     from launcher.config.loader import SpecLayers
     from launcher.config.spec import RunSpec
+    from launcher.launch.plan import LaunchPlan
 
 
 def run_command(
@@ -132,6 +133,8 @@ def run_command(
             sources=sources,
             layers=layers,
         )
+        if plan.accelerator == "gpu":  # before it starts: a layout that will not fit
+            plan = _with_memory_estimate(plan, sources.get("recipe.source", ""))
         return execute(plan)
 
     run_guarded(launch, debug)
@@ -164,3 +167,16 @@ def spec_given(layers: SpecLayers, resume: str | None) -> tuple[RunSpec, dict[st
     meta = read_meta(checkpoint)
     resumed = spec_on_resume(meta["spec"], meta.get("config_file"), layers)
     return resumed.spec, resumed.sources
+
+
+def _with_memory_estimate(plan: LaunchPlan, origin: str) -> LaunchPlan:
+    """`plan` with the layout's memory estimate, for summary.json, and a warning where it
+    will not fit the GPU (`launcher.cli.memory_check`)."""
+    import dataclasses
+
+    from launcher.cli.memory_check import gpu_memory_check
+
+    world = plan.devices.processes * plan.nodes.max
+    estimate, note = gpu_memory_check(plan.spec, origin, world, plan.devices.processes)
+    notes = (*plan.notes, note) if note else plan.notes
+    return dataclasses.replace(plan, notes=notes, memory_estimate=estimate)

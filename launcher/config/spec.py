@@ -16,6 +16,7 @@ from launcher.config.load import LoadSection
 
 # Sections that need torch to check themselves live apart; the spec re-exports them.
 from launcher.config.optim import OptimSection
+from launcher.config.parallel import ParallelSection
 from launcher.config.section import PositiveInt, Section
 from launcher.config.training import EMASection, Precision, ProfileSection, TrainSection
 
@@ -229,6 +230,11 @@ class RunSpec(Section):
     early_stop: EarlyStopSection = Field(
         default_factory=EarlyStopSection, description="Stopping a run that stopped improving."
     )
+    parallel: ParallelSection = Field(
+        default_factory=ParallelSection,
+        description="Degrees of data parallelism (replicated, sharded) and tensor parallelism "
+        "on one device mesh; unset, `launch.strategy` alone decides (docs/fsdp-and-parallelism.md).",
+    )
     fsdp: FSDPSection = Field(
         default_factory=FSDPSection, description="Options of `launch.strategy: fsdp`."
     )
@@ -275,6 +281,7 @@ __all__ = [
     "FSDPSection",
     "LoadSection",
     "OptimSection",
+    "ParallelSection",
     "Precision",
     "ProfileSection",
     "RunSpec",

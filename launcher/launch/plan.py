@@ -24,6 +24,7 @@ from launcher.launch.devices import Devices, resolve_accelerator, resolve_device
 from launcher.launch.nodes import Nodes
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.tpu_pod import host_index
+from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
@@ -40,6 +41,8 @@ class LaunchPlan:
     omp_threads: int
     debug: bool = False
     notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
+    # GPU runs: the layout's memory per device, estimated before start (bytes by part)
+    memory_estimate: dict[str, int] | None = None
     host_index: int = 0  # a TPU pod's host: its processes' ranks come after the hosts before it
     nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
     # {dotted key: where its value came from}: spec.yaml's comments (launcher.config.sources)
@@ -84,6 +87,7 @@ class LaunchPlan:
             resume_from=self.resume_from,
             compile_cache=self._compile_cache(),
             config_file=self.config_file,
+            memory_estimate=self.memory_estimate,
         )
 
     def _compile_cache(self) -> Path | None:
@@ -158,7 +162,7 @@ def make_plan(
         )
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
-    devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
+    devices = _checked_devices(spec, accelerator, nodes)
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
     sources = _with_resolved(sources or {}, spec, resolved)
     spec = resolved
@@ -272,6 +276,17 @@ def _check_options(spec: RunSpec, accelerator: str) -> None:
             "train.precision: fp16 is not supported on TPU",
             hint="Use bf16: TPUs compute in it natively, and it needs no loss scaling.",
         )
+
+
+def _checked_devices(spec: RunSpec, accelerator: str, nodes: Nodes) -> Devices:
+    """This node's devices, with the `parallel` degrees checked against every world the run
+    may have (an elastic run's least and most nodes) before anything starts; the workers
+    resolve them again on the world they get."""
+    devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
+    for count in sorted({nodes.min, nodes.max}):
+        per_node = devices.processes
+        resolve_dims(spec.parallel, spec.launch.strategy, per_node * count, per_node)
+    return devices
 
 
 def _resolved(spec: RunSpec, accelerator: str, devices: Devices) -> tuple[RunSpec, tuple[str, ...]]:

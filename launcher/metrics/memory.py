@@ -30,9 +30,19 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state on this rank: its tensors, less the scalar step
+    counters, which torch keeps in host memory unless the optimizer is fused or capturable."""
     return local_bytes(
         v
         for state in optimizer.state.values()
         for v in state.values()
-        if isinstance(v, torch.Tensor)
+        if isinstance(v, torch.Tensor) and v.dim() > 0
     )
+
+
+def size_text(n: int) -> str:
+    """`n` bytes as a person reads them: 1.2 GiB, 340.0 MiB, 12.5 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -1,5 +1,6 @@
-"""Where rank 0's metrics records go besides metrics.jsonl: sinks (TensorBoard's event files
-today, experiment trackers next), every one fed by one background writer.
+"""Where rank 0's metrics records go besides metrics.jsonl: sinks (the run's progress.json
+always, TensorBoard's event files, experiment trackers next), every one fed by one background
+writer.
 
 A slow disk or tracker must not be a slow step, and one that fails must not fail the run: the
 step only puts each record on a queue, and a thread of its own hands it to every sink. A sink
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from launcher.config.spec import LogSection
+from launcher.config.spec import RunSpec
 from launcher.rundir.layout import RunLayout
 
 
@@ -38,10 +39,13 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def build_sinks(log: LogSection, run_dir: Path) -> list[Sink]:
-    """The sinks the `log` section turns on, for rank 0 of a run in `run_dir`."""
-    sinks: list[Sink] = []
-    if log.tensorboard:
+def build_sinks(spec: RunSpec, run_dir: Path) -> list[Sink]:
+    """The sinks the `log` section turns on, for rank 0 of a run in `run_dir`, after the
+    progress that `train runs` reads (always on)."""
+    from launcher.metrics.progress import ProgressSink, about_run
+
+    sinks: list[Sink] = [ProgressSink(run_dir, about_run(spec))]
+    if spec.log.tensorboard:
         from launcher.metrics.tensorboard import TensorBoardSink
 
         sinks.append(TensorBoardSink(RunLayout(run_dir).tensorboard_dir))

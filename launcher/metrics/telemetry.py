@@ -5,9 +5,10 @@ Workers write (paths: `launcher.rundir.layout`):
 - their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
   and save (`step beats pid start busy`, `Beat`): what the launcher's hang watchdog follows;
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
-- rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json);
-  each metrics record also goes to rank 0's sinks (`launcher.metrics.sinks`: TensorBoard's
-  event files), through one background writer.
+- rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json,
+  the same size at any run length: `launcher.metrics.step_times`); each metrics record also
+  goes to rank 0's sinks (`launcher.metrics.sinks`: TensorBoard's event files, the run's
+  progress.json), through one background writer.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
+from launcher.metrics.step_times import StepTimes
+from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import read_head
 
@@ -79,7 +81,7 @@ class Telemetry:
         self.attempt = attempt
         self.started = time.time()
         self.first_step_end: float | None = None
-        self.step_times: list[float] = []
+        self.step_times = StepTimes()  # bounded: a list of every step would grow forever
         self.checkpoint_times: list[float] = []
         self.layout = layout = RunLayout(run_dir)
         layout.telemetry_dir.mkdir(exist_ok=True)
@@ -115,7 +117,7 @@ class Telemetry:
     def step_done(self, seconds: float) -> None:
         if self.first_step_end is None:
             self.first_step_end = time.time()
-        self.step_times.append(seconds)
+        self.step_times.add(seconds)
 
     def checkpoint_blocked(self, seconds: float, same_save: bool = False) -> None:
         """How long training waited for a checkpoint save (`same_save`: more of the last one)."""
@@ -170,18 +172,20 @@ class Telemetry:
             return
         times = self.step_times
         summary = {
-            "steps_run": len(times),
+            "steps_run": times.count,
             "first_step_end_unix": self.first_step_end,
-            "median_step_s": statistics.median(times) if times else None,
-            "step_times_s": times,
+            "median_step_s": times.median,
+            "step_time_s": times.summary(),
             "checkpoint_blocked_s": self.checkpoint_times,
             "wall_s": time.time() - self.started,
             **fields,
         }
-        try:
-            self.layout.summary.write_text(json.dumps(summary, indent=1))
-        except OSError as exc:  # the run is done: a disk that filled must not fail it now
-            _warn(f"{self.layout.summary}: cannot write it ({exc.strerror or exc})")
+        sample = {"steps": times.count, "sample": times.sample_in_order()}
+        for path, record in ((self.layout.summary, summary), (self.layout.step_times, sample)):
+            try:
+                write_atomic(path, json.dumps(record, indent=1 if record is summary else None))
+            except OSError as exc:  # the run is done: a disk that filled must not fail it now
+                _warn(f"{path}: cannot write it ({exc.strerror or exc})")
 
     def close(self) -> None:
         # The sinks first: they never raise, and a file that fails to close (a full disk) must

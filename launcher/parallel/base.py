@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from launcher.parallel import rng
+from launcher.parallel.dims import ParallelDims
 from launcher.parallel.weight_init import WeightInit
 
 
@@ -27,14 +28,23 @@ class Strategy(ABC):
     # loader of a process yields `data.batch_size * devices_per_process` samples per batch.
     devices_per_process: int = 1
     device: torch.device
+    # The run's dimensions of parallelism (`launcher.parallel.dims`); None: every process is a
+    # data-parallel replica of its own.
+    dims: ParallelDims | None = None
 
     @abstractmethod
     def setup(self) -> None:
         """Join the process group and pick this replica's device."""
 
-    def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
+    def build_model(
+        self,
+        factory: Callable[[], nn.Module],
+        init: WeightInit,
+        parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    ) -> nn.Module:
         """Build the recipe's model (`factory`), initialise it (`init`), place it and make it
-        distributed."""
+        distributed. `parallelize`: the recipe's tensor-parallel plan, for a backend with a
+        `tp` dimension (`launcher.parallel.tensor_parallel`)."""
         return self.wrap_model(init.build(factory))
 
     @abstractmethod
@@ -210,9 +220,20 @@ class Strategy(ABC):
         return self.rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel rank: which share of the data it takes. The processes
+        of one tensor-parallel group share one."""
+        return self.dims.dp_rank(self.rank) if self.dims else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the processes (groups) that each take their own batches."""
+        return self.dims.dp_size if self.dims else self.world_size
+
+    @property
     def replicas(self) -> int:
         """Data-parallel replicas: the devices that each take `data.batch_size` samples."""
-        return self.world_size * self.devices_per_process
+        return self.dp_size * self.devices_per_process
 
 
 def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:

@@ -18,6 +18,8 @@ def build_strategy(spec: RunSpec, accelerator: str, compile_cache: Path | None =
     options = (getattr(spec, info.section),) if info.section else ()
     cache = {"compile_cache": compile_cache} if compile_cache else {}
     train = {key: getattr(spec.train, key) for key in info.train_options}
+    if info.dimensions:
+        train["parallel"] = spec.parallel
     return getattr(importlib.import_module(info.module), info.cls)(
         accelerator, spec.train.precision, *options, **train, **cache
     )

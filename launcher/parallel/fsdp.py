@@ -1,4 +1,6 @@
-"""Strategy `fsdp`: parameters, gradients and optimizer state sharded with FSDP2 (`fully_shard`).
+"""Strategy `fsdp`: parameters, gradients and optimizer state sharded with FSDP2 (`fully_shard`),
+over the data axes of the run's mesh (`launcher.parallel.dims`): one axis (FSDP), or replicas of
+a sharded model (HSDP); after tensor parallelism, where `parallel.tp` asks for it.
 
 The initial weights are bitwise what ddp starts from, built one of two ways (`fsdp.init`):
 
@@ -23,20 +25,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from launcher.config.spec import FSDPSection
-from launcher.metrics.memory import local_bytes
+from launcher.metrics.memory import local_bytes, size_text
+from launcher.parallel.dims import ParallelDims, data_mesh
 from launcher.parallel.precision import dtype_of
 from launcher.parallel.shard_units import shard_units
 from launcher.parallel.sharded_init import UnsetByInit, initialize
+from launcher.parallel.tensor_parallel import ParallelizeHook, apply_tensor_parallel
 from launcher.parallel.torch_distributed import TorchDistributedStrategy
 from launcher.parallel.weight_init import WeightInit
 
 
 class FSDPStrategy(TorchDistributedStrategy):
     name = "fsdp"
+    parallelize: ParallelizeHook | None = None  # the recipe's tensor-parallel plan
 
     def __init__(
         self, accelerator: str, precision: str, options: FSDPSection, **train: Any
@@ -51,7 +55,13 @@ class FSDPStrategy(TorchDistributedStrategy):
             "ignore", message="DTensor random operators may not have complete support"
         )
 
-    def build_model(self, factory: Callable[[], nn.Module], init: WeightInit) -> nn.Module:
+    def build_model(
+        self,
+        factory: Callable[[], nn.Module],
+        init: WeightInit,
+        parallelize: ParallelizeHook | None = None,
+    ) -> nn.Module:
+        self.parallelize = parallelize
         if self.world_size == 1 and not self._needs_fsdp_alone():
             self.say(
                 "fsdp: 1 process, nothing to shard: the model runs unwrapped, as ddp's does "
@@ -106,7 +116,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torch.distributed's own
         self.say(
             f"{why}: every process builds the whole model on CPU as ddp does, then shards it: "
-            f"{_size(full_bytes)} of host memory per process, {_size(full_bytes * processes)} "
+            f"{size_text(full_bytes)} of host memory per process, {size_text(full_bytes * processes)} "
             f"for the {processes} on this machine"
         )
         # fully_shard moves each unit to the mesh's device as it shards it (offloaded shards
@@ -122,37 +132,21 @@ class FSDPStrategy(TorchDistributedStrategy):
         self.check_layers(model)
         model.to(self.device)
         units = shard_units(model, self.options.wrap).modules
-        self._checkpoint_activations(units)
+        checkpoint_activations(units, self.options)
         self.compile_units(model, units)
         return model
 
-    def _checkpoint_activations(self, units: list[nn.Module]) -> None:
-        if self.options.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            for unit in units:
-                checkpoint(unit)
-
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self.check_layers(model)
-        units = shard_units(model, self.options.wrap).modules
-        kwargs: dict[str, Any] = {
-            # The run's device, also where it is not torch's default accelerator (a CPU run
-            # on a machine with a GPU).
-            "mesh": init_device_mesh(self.device.type, (self.world_size,)),
-            "reshard_after_forward": self.options.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=dtype_of(self.options.param_dtype),
-                reduce_dtype=dtype_of(self.options.reduce_dtype),
-            ),
-        }
-        if self.options.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        self._checkpoint_activations(units)
-        self.compile_units(model, units)
-        for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+        assert self.dims is not None  # set by setup
+        mesh = self.dims.build_mesh(self.device.type)
+        source = lay_out(model, self.dims, mesh, self.options, self.parallelize, self.compile_units)
+        if source:
+            self.say(f"tensor parallel over {self.dims.tp} processes: {source}")
+            # A gathered output (the logits of a `Replicate` head) is a view of DTensor's
+            # buffer, and FSDP2 warns on every rank that an in-place op on it would skip its
+            # hook: true of any output, and nothing the run does.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         return model
 
     def sync_gradients(
@@ -163,8 +157,52 @@ class FSDPStrategy(TorchDistributedStrategy):
         return contextlib.nullcontext()
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
+def lay_out(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: Any,
+    options: FSDPSection,
+    parallelize: ParallelizeHook | None,
+    compile_units: Callable[[nn.Module, list[nn.Module]], None] | None = None,
+) -> str | None:
+    """Applies the run's dimensions to `model` in torchtitan's order: tensor parallelism
+    (over `mesh`'s `tp` axis), then activation checkpointing and compile (`compile_units`),
+    then FSDP or HSDP over the data axes. The training run and the memory estimate
+    (`launcher.parallel.memory_estimate`) both lay a model out here. Returns where the
+    tensor-parallel plan came from; None without one."""
+    units = shard_units(model, options.wrap).modules
+    source = apply_tensor_parallel(model, mesh["tp"], parallelize) if dims.tp > 1 else None
+    checkpoint_activations(units, options)
+    if compile_units is not None:
+        compile_units(model, units)
+    data = data_mesh(mesh) if mesh is not None else None
+    if data is not None:  # none: tensor parallelism alone
+        shard_model(model, units, data, options)
+    return source
+
+
+def checkpoint_activations(units: list[nn.Module], options: FSDPSection) -> None:
+    """`fsdp.activation_checkpointing`: each unit recomputes its activations in backward."""
+    if options.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for unit in units:
+            checkpoint(unit)
+
+
+def shard_model(model: nn.Module, units: list[nn.Module], mesh: Any, options: FSDPSection) -> None:
+    """FSDP2 over `mesh`: each unit, then the root. A 2-D mesh (dp_replicate, dp_shard) is HSDP:
+    each unit's parameters sharded within a replica, its gradients all-reduced across them."""
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": options.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=dtype_of(options.param_dtype),
+            reduce_dtype=dtype_of(options.reduce_dtype),
+        ),
+    }
+    if options.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)

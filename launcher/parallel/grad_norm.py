@@ -1,5 +1,6 @@
 """The global gradient norm, and clipping to it, for sharded (DTensor) gradients at the cost of
-one all-reduce.
+one all-reduce per mesh axis they are sharded on (FSDP: one; HSDP and tensor parallelism: each
+of theirs).
 
 torch's `clip_grad_norm_` over DTensors sends every per-parameter norm, the stack, the
 coefficient and every multiplication through DTensor's dispatch (sharding propagation, on the
@@ -10,38 +11,55 @@ rank's local shards as plain tensors, and only the sum of squares crosses ranks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 
 def sharded_norm(grads: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | None:
-    """The global L2 norm of `grads`, sharded DTensors on one 1-D mesh (FSDP2's), clipping
-    them to `max_norm` when set; None where they are anything else (the caller uses torch's
-    own path)."""
+    """The global L2 norm of `grads`, clipping them to `max_norm` when set: DTensors sharded or
+    replicated over any mesh (FSDP's, HSDP's, tensor parallelism's, or several: under FSDP
+    with TP, layer norms are sharded over the data axes only), and beside them plain tensors,
+    whole on every process. None where there is no DTensor or one is partial (the caller uses
+    torch's own path)."""
     from torch.distributed.tensor import DTensor
 
-    if not grads or not all(isinstance(g, DTensor) for g in grads):
+    if not any(isinstance(g, DTensor) for g in grads):
         return None
-    meshes = {g.device_mesh for g in grads}  # type: ignore[attr-defined]
-    if len(meshes) != 1:
-        return None
-    mesh = meshes.pop()
-    if mesh.ndim != 1 or not all(g.placements[0].is_shard() for g in grads):  # type: ignore[attr-defined]
-        return None  # replicated parts would be counted once per rank
-    # The local tensors themselves: `to_local()` is an autograd function, a few microseconds
-    # of host time per parameter and step, and gradients need no autograd.
-    shards = [g._local_tensor for g in grads]  # type: ignore[attr-defined]
+    groups: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):  # whole on every process (tensor parallelism alone)
+            groups.setdefault((None, ()), []).append(grad)
+            continue
+        if any(p.is_partial() for p in grad.placements):
+            return None
+        # The mesh axes it is sharded over (FSDP's over TP's is a `_StridedShard`, which is
+        # not `is_shard()` in every torch): its local squares add up across them; across the
+        # others (replicated) they are copies, counted once.
+        sharded = tuple(axis for axis, p in enumerate(grad.placements) if not p.is_replicate())
+        # The local tensors themselves: `to_local()` is an autograd function, a few
+        # microseconds of host time per parameter and step, and gradients need no autograd.
+        groups.setdefault((grad.device_mesh, sharded), []).append(grad._local_tensor)
+    total = sum(_squares(shards, mesh, axes) for (mesh, axes), shards in groups.items())
+    total = total.sqrt()  # type: ignore[union-attr]
+    if max_norm is not None:
+        # As torch's clip_grads_with_norm_: no host sync, a coefficient of at most 1.
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for shards in groups.values():
+            torch._foreach_mul_(shards, coefficient.to(shards[0].device))
+    return total
+
+
+def _squares(shards: list[torch.Tensor], mesh: Any, axes: tuple[int, ...]) -> torch.Tensor:
+    """The sum of squares of the whole tensors whose local shards are `shards`, sharded over
+    the mesh `axes`: one all-reduce per axis."""
     device = shards[0].device
     # As torch's get_total_norm: each tensor's norm in its own dtype, then their norm in fp32.
     norms = torch._foreach_norm(shards, 2.0)
     if any(n.dtype != torch.float32 or n.device != device for n in norms):
         norms = [n.to(device, torch.float32) for n in norms]
-    local = torch.stack(norms)
-    squares = local.square().sum()
-    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group())
-    total = squares.sqrt()
-    if max_norm is not None:
-        # As torch's clip_grads_with_norm_: no host sync, a coefficient of at most 1.
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(shards, coefficient.to(device))
-    return total
+    squares = torch.stack(norms).square().sum()
+    for axis in axes:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+    return squares

@@ -32,6 +32,8 @@ class StrategyInfo:
     cpu_env: dict[str, str] = field(default_factory=dict)
     # The `train` keys its constructor takes as keyword arguments, besides the precision.
     train_options: tuple[str, ...] = ()
+    # Whether it takes the `parallel` section's dimensions (launcher.parallel.dims).
+    dimensions: bool = False
 
 
 STRATEGIES = {
@@ -40,6 +42,7 @@ STRATEGIES = {
         "DDPStrategy",
         ("cpu", "gpu"),
         train_options=("compile", "tf32"),
+        dimensions=True,
     ),
     "fsdp": StrategyInfo(
         "launcher.parallel.fsdp",
@@ -48,6 +51,7 @@ STRATEGIES = {
         section="fsdp",
         cpu_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
         train_options=("compile", "tf32"),
+        dimensions=True,
     ),
     "xla": StrategyInfo(
         "launcher.parallel.xla",

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 from launcher.parallel import regional_compile
 from launcher.parallel.base import Strategy, gradient_norm, local_shard
+from launcher.parallel.dims import resolve_dims
 from launcher.parallel.precision import MixedPrecision
 
 
@@ -31,7 +33,9 @@ class TorchDistributedStrategy(Strategy):
         compile: bool = False,  # train.compile
         tf32: bool = True,  # train.tf32
         compile_cache: Path | None = None,  # inductor's cache: the run folder's
+        parallel: ParallelSection | None = None,  # the spec's degrees (launcher.parallel.dims)
     ) -> None:
+        self.parallel = parallel or ParallelSection()
         self.accelerator = accelerator
         self.precision_name = precision
         self.compile, self.tf32 = compile, tf32
@@ -44,6 +48,8 @@ class TorchDistributedStrategy(Strategy):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.dims = resolve_dims(self.parallel, self.name, self.world_size, per_node)
         if self.accelerator == "gpu":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)

@@ -11,7 +11,9 @@ This module is the one owner of the layout; no other module joins run-folder pat
       telemetry/rank-N.jsonl     each rank's progress records (the live table)
       telemetry/rank-N.beat      each rank's heartbeat, rewritten in place (the hang watchdog)
       telemetry/rank-N.failed    when and where a rank failed (the root cause)
+      telemetry/step-times.json  a fixed-size sample of rank 0's step times (the benchmarks)
       metrics.jsonl              rank 0's metrics, averaged over every rank
+      progress.json              rank 0's newest step and last and best values, kept current
       summary.json               rank 0's timings at the end
       outcome.json               how the run ended: status, exit code, when (the launcher)
       .outcome.reserve           room for outcome.json, held while the run runs
@@ -108,8 +110,17 @@ class RunLayout:
         return self.root / "metrics.jsonl"
 
     @property
+    def progress(self) -> Path:
+        """What `train runs` shows of the run, rewritten whole at each log line."""
+        return self.root / "progress.json"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def step_times(self) -> Path:
+        return self.telemetry_dir / "step-times.json"
 
     @property
     def tensorboard_dir(self) -> Path:

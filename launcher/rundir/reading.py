@@ -28,8 +28,12 @@ def open_regular(path: Path) -> Iterator[BinaryIO | None]:
     except OSError:
         yield None
         return
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, too: fdopen would refuse it
+        os.close(fd)
+        yield None
+        return
     with os.fdopen(fd, "rb") as file:
-        yield file if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        yield file
 
 
 def read_head(path: Path, limit: int) -> bytes | None:

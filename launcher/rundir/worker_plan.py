@@ -38,6 +38,9 @@ class WorkerPlan:
     compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
     # The YAML file as this launch read it: every checkpoint records it for the next resume.
     config_file: dict[str, Any] | None = None
+    # GPU runs: the layout's memory per device as estimated before start, in bytes by part;
+    # summary.json gives it beside the measured peak.
+    memory_estimate: dict[str, int] | None = None
 
     def run_spec(self) -> RunSpec:
         from launcher.config.spec import RunSpec

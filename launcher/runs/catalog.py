@@ -1,7 +1,10 @@
 """The runs under an output folder (`<output_dir>/<run.name>/<timestamp or rdzv-id>/`) or in
 folders named, and what `train runs` says of each: its status, progress, losses, best
 evaluation, newest checkpoint and times. Everything is read from the run folder's files, never
-by asking torch.
+by asking torch, and read in a bounded time: a run's progress.json (kept current by its rank 0,
+`launcher.metrics.progress`), its heartbeat, lock and outcome, never its whole metrics file. A
+run written before progress.json existed is read from the end of its metrics file (its last
+`FALLBACK_METRICS_BYTES`: its best values are those of its newest records only).
 
 A run is `running` while a launcher holds its lock (however old it is); else its launcher's
 record says how it ended (`launcher.rundir.outcome`); else it ended without a word (its
@@ -11,21 +14,29 @@ tell whether the lock is held (no flock), and the run recorded no end.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from launcher.errors import LauncherError
+from launcher.metrics.progress import Progress, monitored, read_progress
 from launcher.metrics.telemetry import read_beat
 from launcher.rundir.layout import RunLayout, step_of
 from launcher.rundir.lock import is_held
 from launcher.rundir.outcome import RunOutcome, read_outcome
-from launcher.runs.metrics_file import read_records, tail_records, value
+from launcher.rundir.reading import read_tail
+from launcher.runs.metrics_file import value
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
+
+# What `train runs` reads of a metrics file without progress.json: some 1,000 to 2,500 records
+# (of 10 or 4 metrics), in which numpy finds the loss and the monitored metric: a run of any
+# length costs as little as a short one.
+FALLBACK_METRICS_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -110,26 +121,31 @@ def describe_run(run_dir: Path, now: float | None = None) -> RunRow:
 def _describe(run_dir: Path, now: float | None) -> RunRow:
     layout = RunLayout(run_dir)
     status, outcome = run_status(layout)
-    records = read_records(layout.metrics)
-    spec = _spec(layout)
-    losses = [loss for r in records if (loss := value(r, "loss")) is not None]
-    steps = [int(s) for r in records if (s := value(r, "step")) is not None]
-    best_val = _best_val(records, spec)
+    progress = read_progress(layout)
+    # What the spec says, without reading it (a run that logged).
+    about = progress.about if progress is not None else {}
+    spec = None if about else _spec(layout)
+    metric, mode = (about["monitor"], about["mode"]) if about else monitored(spec)
+    if progress is None:  # written before progress.json: the end of its metrics file
+        progress = _tail_progress(layout, metric)
+    best_loss = progress.best("loss")
+    best = progress.best(metric, mode)
+    best_val = (metric, *best) if best is not None else None
     newest = layout.latest_complete()
     started = _started(layout)
     ended = _ended(layout, status, outcome)
     end = ended if ended is not None else (now or time.time()) if status == "running" else None
     return RunRow(
         # The spec's: a run written with --run-dir is in a folder of any name.
-        name=spec.run.name if spec is not None else run_dir.parent.name,
+        name=about.get("name") or (spec.run.name if spec is not None else run_dir.parent.name),
         folder=str(run_dir),
         status=status,
         exit_code=outcome.exit_code if outcome else None,
         reason=outcome.reason if outcome else "",
-        step=_step(layout, steps),
-        total_steps=_total_steps(layout, spec),
-        last_loss=losses[-1] if losses else None,
-        best_loss=min(losses) if losses else None,
+        step=_step(layout, progress.step),
+        total_steps=_total_steps(layout, about.get("max_steps", spec and spec.train.max_steps)),
+        last_loss=progress.last("loss"),
+        best_loss=best_loss[0] if best_loss else None,
         best_val_metric=best_val[0] if best_val else None,
         best_val=best_val[1] if best_val else None,
         best_val_step=best_val[2] if best_val else None,
@@ -165,35 +181,30 @@ def _spec(layout: RunLayout) -> RunSpec | None:
         return None
 
 
-def _step(layout: RunLayout, logged: list[int]) -> int | None:
+def _tail_progress(layout: RunLayout, metric: str) -> Progress:
+    # numpy's scan, imported only here: a list of runs that all have progress.json needs none.
+    from launcher.runs.metrics_scan import tail_progress
+
+    return tail_progress(layout.metrics, ["loss", metric], FALLBACK_METRICS_BYTES)
+
+
+def _step(layout: RunLayout, logged: int | None) -> int | None:
     # Rank 0's heartbeat names its newest step, logged or not; metrics only the logged ones.
     beat = read_beat(layout.beat(0))
-    return beat.step if beat is not None else logged[-1] if logged else None
+    return beat.step if beat is not None else logged
 
 
-def _total_steps(layout: RunLayout, spec: RunSpec | None) -> int | None:
-    # What rank 0 counted (train.max_epochs included), else what the spec says.
-    for record in reversed(tail_records(layout.telemetry(0))):
-        if (total := value(record, "max_steps")) is not None:
+def _total_steps(layout: RunLayout, planned: int | None) -> int | None:
+    # What rank 0 counted (train.max_epochs included), else what the spec says: its newest
+    # status record that says, parsed from the end (most often the last one).
+    for line in reversed((read_tail(layout.telemetry(0), 16384) or b"").splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # half-written
+            continue
+        if isinstance(record, dict) and (total := value(record, "max_steps")) is not None:
             return int(total)
-    return spec.train.max_steps if spec is not None else None
-
-
-def _best_val(
-    records: list[dict[str, Any]], spec: RunSpec | None
-) -> tuple[str, float, int | None] | None:
-    """The best value of the monitored evaluation metric (checkpoint.monitor, else
-    early_stop.monitor, by their mode), else the lowest val/loss: (metric, value, step)."""
-    metric, mode = "val/loss", "min"
-    for section in (spec.checkpoint, spec.early_stop) if spec is not None else ():
-        if section.monitor:
-            metric, mode = section.monitor, section.mode
-            break
-    points = [(v, r.get("step")) for r in records if (v := value(r, metric)) is not None]
-    if not points:
-        return None
-    best = (max if mode == "max" else min)(points, key=lambda point: point[0])
-    return metric, best[0], best[1]
+    return planned
 
 
 def _started(layout: RunLayout) -> float | None:

@@ -9,11 +9,11 @@ Every reader sees each step once, with the newer values, and never the marker it
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT, is_number
+from launcher.metrics.progress import value
+from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT
 from launcher.rundir.reading import read_tail
 
 # The most of a metrics file read: its newest records (over a million steps of a few metrics).
@@ -53,19 +53,6 @@ def without_replays(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif (resumed_at := value(record, RESUMED_AT)) is not None:
             kept = [r for r in kept if (step := value(r, "step")) is None or step <= resumed_at]
     return kept
-
-
-def value(record: dict[str, Any], metric: str) -> float | None:
-    """The record's number for `metric`, or None where it has none: not a number, or not a
-    finite one (a run stopped on a NaN loss wrote it; no table or plot can hold it)."""
-    found = record.get(metric)
-    if not is_number(found):
-        return None
-    try:
-        number = float(found)
-    except OverflowError:  # an integer of hundreds of digits
-        return None
-    return number if math.isfinite(number) else None
 
 
 def metric_names(records: list[dict[str, Any]]) -> list[str]:

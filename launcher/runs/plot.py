@@ -15,10 +15,15 @@ from typing import Any
 from launcher.errors import UsageError
 from launcher.rundir.layout import RunLayout
 from launcher.runs.catalog import is_run
-from launcher.runs.metrics_file import metric_names, read_records, series
+from launcher.runs.metrics_file import metric_names, tail_records
+from launcher.runs.metrics_scan import curves, downsample
 
 # A figure file's size: FIGURE_WIDTH x PANEL_HEIGHT inches per panel, at DPI dots per inch.
 FIGURE_WIDTH, PANEL_HEIGHT, DPI = 8.0, 3.0, 100
+# Curves are cut down to this many columns in a figure file (a terminal: its width).
+FIGURE_COLUMNS = round(FIGURE_WIDTH * DPI)
+# What names the metrics a run has, when one asked for is missing: its newest records.
+NAMES_TAIL_BYTES = 4 << 20
 INSTALL = "pip install 'launcher[viz]'"
 FORMATS = (".png", ".svg", ".pdf")
 
@@ -30,6 +35,7 @@ class Curve:
     ys: list[float]
     run: int = 0  # which of the runs: its colour in a figure file
     evaluation: bool = False  # a val/* metric: dashed
+    not_finite: list[float] = field(default_factory=list)  # x of each NaN or infinity (a column's)
 
 
 @dataclass
@@ -40,10 +46,12 @@ class Panel:
     curves: list[Curve] = field(default_factory=list)
 
 
-def load_panels(run_dirs: list[Path], metrics: list[str], x: str) -> list[Panel]:
-    """The panels to draw: each metric of each run, grouped by kind. With no `metrics`: loss,
-    and val/loss where a run has it. A metric that no run has is an error naming the ones
-    they have."""
+def load_panels(
+    run_dirs: list[Path], metrics: list[str], x: str, width: int = FIGURE_COLUMNS
+) -> list[Panel]:
+    """The panels to draw, `width` columns wide: each metric of each run, grouped by kind.
+    With no `metrics`: loss, and val/loss where a run has it. A metric that no run has is an
+    error naming the ones they have."""
     for run in run_dirs:
         if not is_run(run):
             raise UsageError(
@@ -51,26 +59,31 @@ def load_panels(run_dirs: list[Path], metrics: list[str], x: str) -> list[Panel]
                 hint="A run folder is <run.output_dir>/<run.name>/<timestamp>; `train runs` "
                 "lists them.",
             )
-    runs = {run: read_records(RunLayout(run).metrics) for run in dict.fromkeys(run_dirs)}
-    available = metric_names([r for records in runs.values() for r in records])
-    wanted = metrics or ["loss", *(["val/loss"] if "val/loss" in available else [])]
-    for metric in dict.fromkeys(wanted):
-        if metric not in available:
+    wanted = list(dict.fromkeys(metrics or ["loss", "val/loss"]))
+    runs = {run: curves(RunLayout(run).metrics, wanted, x) for run in dict.fromkeys(run_dirs)}
+    has = {metric for found in runs.values() for metric, (xs, _) in found.items() if len(xs)}
+    wanted = wanted if metrics else ["loss", *(["val/loss"] if "val/loss" in has else [])]
+    for metric in wanted:
+        if metric not in has:
+            available = metric_names(
+                [r for run in runs for r in tail_records(RunLayout(run).metrics, NAMES_TAIL_BYTES)]
+            )
             raise UsageError(
                 f"{'--metric ' if metrics else ''}{metric}: no such metric in "
                 + (str(run_dirs[0]) if len(runs) == 1 else f"any of the {len(runs)} runs"),
                 hint=f"Available: {', '.join(available) or 'none (no metrics recorded yet)'}.",
             )
     panels: dict[str, Panel] = {}
-    for metric in dict.fromkeys(wanted):
+    for metric in wanted:
         kind = metric.removeprefix("val/")
         panel = panels.setdefault(kind, Panel(kind))
-        for index, (run, records) in enumerate(runs.items()):
-            xs, ys = series(records, metric, x)
-            if xs:
+        for index, (run, found) in enumerate(runs.items()):
+            xs, ys, not_finite = downsample(*found[metric], width)
+            if len(xs) or len(not_finite):
                 name = f"{run.parent.name}/{run.name} " if len(runs) > 1 else ""
-                evaluation = metric.startswith("val/")
-                panel.curves.append(Curve(name + metric, xs, ys, index, evaluation))
+                curve = Curve(name + metric, xs.tolist(), ys.tolist(), index)
+                curve.evaluation, curve.not_finite = metric.startswith("val/"), not_finite.tolist()
+                panel.curves.append(curve)
     return list(panels.values())
 
 
@@ -97,6 +110,12 @@ def save_figure(panels: list[Panel], out: Path, x: str) -> None:
             ax.plot(
                 xs, curve.ys, f"C{curve.run}{style}", label=curve.label, marker=marker, markersize=3
             )
+            if curve.not_finite:  # a NaN or infinity has no height: a line across the panel
+                ax.vlines(
+                    [v / scale for v in curve.not_finite], 0, 1, colors=f"C{curve.run}",
+                    linestyles=":", transform=ax.get_xaxis_transform(),
+                    label=f"{curve.label} not finite",
+                )  # fmt: skip
         ax.set_title(panel.title)
         ax.set_xlabel(f"time ({unit})" if x == "time" else "step")
         ax.grid(alpha=0.3)
@@ -117,6 +136,12 @@ def draw_in_terminal(panels: list[Panel], x: str) -> None:
     draw = _draw_v6 if hasattr(getattr(plt, "figure", None), "signal") else _draw_v5
     text = draw(plt, panels, (columns, height * len(panels)), x_label, scale)
     sys.stdout.write((text if sys.stdout.isatty() else plt.uncolorize(text)) + "\n")
+    for curve in (c for panel in panels for c in panel.curves if c.not_finite):
+        shown = ", ".join(f"{v / scale:g}" for v in curve.not_finite[:5])
+        more = f" and {len(curve.not_finite) - 5} more" if len(curve.not_finite) > 5 else ""
+        sys.stdout.write(
+            f"{curve.label}: not finite (NaN or infinite) at {x_label} {shown}{more}\n"
+        )
 
 
 def _draw_v6(

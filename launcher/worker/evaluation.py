@@ -36,7 +36,7 @@ class Evaluator:
     def __init__(self, recipe: Recipe, spec: RunSpec, strategy: Strategy) -> None:
         self.recipe, self.strategy = recipe, strategy
         dataset = recipe.build_dataset("val", **spec.recipe.dataset)
-        world, rank = strategy.world_size, strategy.rank
+        world, rank = strategy.dp_size, strategy.dp_rank
         self.batch = spec.data.batch_size * strategy.devices_per_process
         self.seed = spec.run.seed * 1_000_003 + rank
         loader = functools.partial(

@@ -49,7 +49,7 @@ class Trainer:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
-        sinks = build_sinks(spec.log, run_dir) if strategy.is_main else []
+        sinks = build_sinks(spec, run_dir) if strategy.is_main else []
         self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, sinks)
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
@@ -91,7 +91,9 @@ class Trainer:
         spec, recipe, strategy = self.spec, self.recipe, self.strategy
         rss_before_build = memory.rss_bytes()
         model = strategy.build_model(
-            lambda: recipe.build_model(**spec.recipe.model), WeightInit(recipe, spec.run.seed)
+            lambda: recipe.build_model(**spec.recipe.model),
+            WeightInit(recipe, spec.run.seed),
+            recipe.parallelize_hook(),
         )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
@@ -117,8 +119,8 @@ class Trainer:
             self.recipe.build_dataset("train", **spec.recipe.dataset),
             spec.data,
             spec.train,
-            strategy.rank,
-            strategy.world_size,
+            strategy.dp_rank,
+            strategy.dp_size,
             spec.run.seed,
             pin_memory=strategy.device.type == "cuda",
             devices_per_process=strategy.devices_per_process,
@@ -129,7 +131,11 @@ class Trainer:
     def progress(self) -> Progress:
         return self.state.progress
 
-    def fit(self) -> None:
+    def fit(self, memory_estimate: dict[str, int] | None = None) -> None:
+        """Trains to the end. `memory_estimate`: the launcher's estimate of this layout's
+        memory per device (GPU runs), kept in summary.json beside the measured peak."""
+        for part, size in (memory_estimate or {}).items():
+            self.memory[f"estimated_{part}"] = size
         if self.resume_from is not None:
             restore(
                 self.resume_from, self.checkpointer, self.state, self.strategy, self.spec,
@@ -292,7 +298,7 @@ class Trainer:
         self.progress.step = step
         # Every replica's shard has the same length (the sampler pads), so the global count is
         # exact, also for a short last batch (data.drop_last: false).
-        self.progress.samples_in_epoch += samples * self.strategy.world_size
+        self.progress.samples_in_epoch += samples * self.strategy.dp_size
 
     def _log(self) -> None:
         window = self.state.window

@@ -299,7 +299,7 @@ def _train(plan: WorkerPlan) -> int:
         recipe = load_recipe(spec.recipe.source)
         Trainer(
             spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
-        ).fit()
+        ).fit(plan.memory_estimate)
         strategy.barrier()  # nobody leaves the group while a peer still talks to it
         strategy.teardown()
         return 0

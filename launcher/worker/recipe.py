@@ -17,7 +17,10 @@ batches alike, in DataLoader workers too (default: torch's `default_collate`), e
 sequences to the longest with a mask. Its batch must count the samples it was given: the
 leading dimension its tensors share, or, where they share none (a packed batch), a dict
 batch's `"num_samples": len(samples)` (an int, left in the batch the loss gets); see
-`launcher.worker.data.batch_size`.
+`launcher.worker.data.batch_size`. And
+  parallelize(model, mesh)
+to split the model's layers over the `tp` axis of the device mesh (`parallel.tp`), e.g. with
+torch's `parallelize_module` (`launcher.parallel.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,12 @@ class Recipe:
         """The recipe's optional `param_groups(model)`: the optimizer's groups, as torch's
         param-group dicts (`launcher.worker.param_groups`)."""
         hook = getattr(self.module, "param_groups", None)
+        return hook if callable(hook) else None
+
+    def parallelize_hook(self) -> Callable[[torch.nn.Module, Any], Any] | None:
+        """The recipe's optional `parallelize(model, mesh)`: its tensor-parallel plan, applied
+        to the model over the `tp` mesh axis (`launcher.parallel.tensor_parallel`)."""
+        hook = getattr(self.module, "parallelize", None)
         return hook if callable(hook) else None
 
     def collate_hook(self) -> Callable[[list[Any]], Any] | None:

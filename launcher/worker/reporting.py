@@ -4,7 +4,6 @@ for the live table (files: `launcher.metrics.telemetry`)."""
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,8 +44,10 @@ class Reporter:
         )
         share = "its share of the stream" if samples is None else f"{samples:,} samples per epoch"
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
+        dims, devices = strategy.dims, strategy.world_size * strategy.devices_per_process
+        layout = f" ({dims.describe()})" if dims and (dims.tp > 1 or dims.hybrid) else ""
         self.say(
-            f"{grouping.count()} | {strategy.name} on {strategy.replicas} x "
+            f"{grouping.count()} | {strategy.name}{layout} on {devices} x "
             f"{strategy.device.type} | {self.total_steps} steps, {per_epoch}"
             + (f" | resumed at step {resumed_at}" if resumed_at is not None else ""),
             every_rank=True,
@@ -130,8 +131,7 @@ class Reporter:
         last: Path | None,
     ) -> None:
         """summary.json and the last line. Collective on GPUs (each rank's peak memory)."""
-        times = self.telemetry.step_times
-        speed = self.speed.summary(statistics.median(times) if times else None)
+        speed = self.speed.summary(self.telemetry.step_times.median)
         if self.strategy.device.type == "cuda":
             memory_now = self.speed.fields(0.0)  # memory only: no step time
             speed["device_memory"] = self.strategy.gather(memory_now)

@@ -47,9 +47,14 @@ def restore(
     if same_world:
         return
     # Saved with another world size: per-rank streams cannot continue; reseed them.
-    strategy.seed(spec.run.seed + state.progress.step + strategy.rank)
+    strategy.seed(spec.run.seed + state.progress.step + strategy.dp_rank)
+    meta = checkpoint.read_meta(path)
     say(
-        f"resuming with {strategy.world_size} replicas instead of "
-        f"{checkpoint.read_meta(path)['world_size']}: model, optimizer and data position "
-        "continue; random streams are reseeded"
+        f"resuming on {_ranks(strategy.world_size, strategy.dims.tp if strategy.dims else 1)} "
+        f"instead of {_ranks(meta['world_size'], meta.get('tp', 1))}: model, optimizer and "
+        "data position continue; random streams are reseeded"
     )
+
+
+def _ranks(world: int, tp: int) -> str:
+    return f"{world} process{'es' if world != 1 else ''}" + (f" (tp {tp})" if tp > 1 else "")

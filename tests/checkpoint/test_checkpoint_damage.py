@@ -95,30 +95,24 @@ def test_resume_best_refuses_a_damaged_record_of_the_best(base: Path, tmp_path: 
     assert _snapshot(tmp_path) == before
 
 
-def test_a_branch_off_a_damaged_checkpoint_leaves_nothing_in_the_way_of_the_retry(
+def test_failed_branch_attempts_leave_nothing_in_the_way_of_the_retry(
     base: Path, tmp_path: Path
 ) -> None:
+    """One refused before anything starts, one that failed before its first step: the retry
+    trains in the same folder."""
     _copy(base, tmp_path)
     _truncate(tmp_path / STEP_6 / "__1_0.distcp")
     branch = ["--config", "run.yaml", "--run-dir", "branch"]
     usage_error(run_train([*branch, "--resume", STEP_6], cwd=tmp_path, timeout=60), "truncated")
     assert not (tmp_path / "branch").exists()
-    result = run_train([*branch, "--resume", STEP_4, "train.max_steps=5"], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "branch" / "checkpoints" / "step-00000005" / "COMPLETE").exists()
-
-
-def test_a_branch_attempt_that_failed_before_its_first_step_can_be_retried(
-    base: Path, tmp_path: Path
-) -> None:
-    _copy(base, tmp_path)
-    branch = ["--config", "run.yaml", "--run-dir", "branch", "--resume", STEP_4]
+    branch += ["--resume", STEP_4]
     # Another model: the workers refuse the checkpoint, after the folder was created.
     failed = run_train([*branch, "recipe.model={hidden: 8}"], cwd=tmp_path)
     assert failed.returncode != 0 and "does not fit the model" in failed.stdout + failed.stderr
     assert "hidden: 8" in (tmp_path / "branch" / "spec.yaml").read_text()
     result = run_train([*branch, "train.max_steps=5"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "branch" / "checkpoints" / "step-00000005" / "COMPLETE").exists()
     assert {r["step"] for r in metrics_of(tmp_path / "branch")} == {5}
     # The folder's spec is the attempt's that trained, not the one that failed.
     assert "hidden" not in (tmp_path / "branch" / "spec.yaml").read_text()

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import time
@@ -235,14 +236,22 @@ def test_resume_with_another_world_size(
         torch.testing.assert_close(ours[step][0], theirs[step][0], rtol=1e-5, atol=1e-5)
 
 
-def test_checkpoint_of_another_model_lists_the_mismatched_keys(tmp_path: Path) -> None:
-    spec, _ = _saved_run(tmp_path, train={"max_steps": 2})
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A finished run of the mlp, 2 steps: (its spec, its folder). Copy it to change it."""
+    return _saved_run(tmp_path_factory.mktemp("two_steps"), train={"max_steps": 2})
+
+
+def test_checkpoint_of_another_model_lists_the_mismatched_keys(
+    tmp_path: Path, two_steps: tuple[Path, Path]
+) -> None:
+    spec, saved = two_steps
     result = run_train(
         [
             "--config",
             str(spec),
             "--resume",
-            str(tmp_path / "a"),
+            str(saved),
             "--run-dir",
             str(tmp_path / "b"),
             "recipe.model={hidden: 32, depth: 3}",
@@ -265,8 +274,11 @@ class _Evil:
 @pytest.mark.parametrize(
     "content", [b"garbage", pickle.dumps(_Evil())], ids=["corrupt", "malicious"]
 )
-def test_corrupt_or_malicious_checkpoint_is_refused(tmp_path: Path, content: bytes) -> None:
-    spec, _ = _saved_run(tmp_path, train={"max_steps": 2})
+def test_corrupt_or_malicious_checkpoint_is_refused(
+    tmp_path: Path, content: bytes, two_steps: tuple[Path, Path]
+) -> None:
+    spec, saved = two_steps
+    shutil.copytree(saved, tmp_path / "a")
     (tmp_path / "a" / "checkpoints" / "step-00000002" / ".metadata").write_bytes(content)
     result = run_train(
         ["--config", str(spec), "--resume", str(tmp_path / "a"), "--run-dir", str(tmp_path / "b")],

@@ -113,20 +113,24 @@ def _new_run_dir(runs: Path) -> Path:
     pytest.fail(f"no run folder appeared in {runs}")
 
 
-def _uninterrupted(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
-    folder = tmp_path / "reference"
-    folder.mkdir()
-    spec = _spec(folder, max_steps=steps)
+STEPS = 25  # of the runs that are stopped and resumed or restarted
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of a run of STEPS steps that nothing stopped."""
+    folder = tmp_path_factory.mktemp("reference")
+    spec = _spec(folder, max_steps=STEPS)
     result = run_train(["--config", str(spec), "--run-dir", str(folder / "run")], cwd=folder)
     assert result.returncode == 0, result.stdout + result.stderr
-    return _weights(folder / "run" / "checkpoints" / f"step-{steps:08d}", tmp_path / "ref.pt")
+    return _weights(folder / "run" / "checkpoints" / f"step-{STEPS:08d}", folder / "ref.pt")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_first_signal_saves_and_exits_then_resume_latest_is_exact(
-    tmp_path: Path, sig: signal.Signals
+    tmp_path: Path, sig: signal.Signals, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
-    spec = _spec(tmp_path, max_steps=25)
+    spec = _spec(tmp_path, max_steps=STEPS)
     proc = start_train(["--config", str(spec)], tmp_path, {"FAULT": "slow"})
     run_dir = _new_run_dir(tmp_path / "runs" / "t")
     wait_for_step(run_dir, 0, 5, proc)
@@ -136,14 +140,13 @@ def test_first_signal_saves_and_exits_then_resume_latest_is_exact(
     assert result.returncode == 128 + sig, output
     assert "every rank finishes its step and saves a checkpoint" in output
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert 5 <= int(saved[-1].split("-")[1]) < 25, saved
+    assert 5 <= int(saved[-1].split("-")[1]) < STEPS, saved
     assert f"stopped by {sig.name}; saved" in output
 
     resumed = run_train(["--config", str(spec), "--resume", "latest"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    final = _weights(run_dir / "checkpoints" / "step-00000025", tmp_path / "final.pt")
-    expected = _uninterrupted(tmp_path, 25)
-    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    final = _weights(run_dir / "checkpoints" / f"step-{STEPS:08d}", tmp_path / "final.pt")
+    assert all(torch.equal(final[k], uninterrupted[k]) for k in uninterrupted)
 
 
 def test_a_second_signal_stops_everything_at_once(tmp_path: Path) -> None:
@@ -167,8 +170,10 @@ def test_a_second_signal_stops_everything_at_once(tmp_path: Path) -> None:
     assert "stopped at once by a second SIGINT" in output
 
 
-def test_max_restarts_recovers_from_a_killed_rank_to_the_same_weights(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, max_steps=20)
+def test_max_restarts_recovers_from_a_killed_rank_to_the_same_weights(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    spec = _spec(tmp_path, max_steps=STEPS)
     run_dir = tmp_path / "run"
     proc = start_train(
         ["--config", str(spec), "--run-dir", str(run_dir), "--max-restarts", "1"],
@@ -180,9 +185,8 @@ def test_max_restarts_recovers_from_a_killed_rank_to_the_same_weights(tmp_path: 
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "attempt 2 of 2: restarted after a failure; resuming from" in output
-    final = _weights(run_dir / "checkpoints" / "step-00000020", tmp_path / "final.pt")
-    expected = _uninterrupted(tmp_path, 20)
-    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    final = _weights(run_dir / "checkpoints" / f"step-{STEPS:08d}", tmp_path / "final.pt")
+    assert all(torch.equal(final[k], uninterrupted[k]) for k in uninterrupted)
 
 
 def test_rendezvous_listens_on_loopback_only_and_nothing_is_world_writable(

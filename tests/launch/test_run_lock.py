@@ -40,7 +40,9 @@ def _digest(path: Path) -> str:
 
 
 def test_a_second_launcher_is_refused_until_the_first_ends(tmp_path: Path) -> None:
-    config = ["--config", str(write_spec(tmp_path / "run.yaml", train={"max_steps": 2}))]
+    # One worker: the lock is the launcher's alone.
+    spec = write_spec(tmp_path / "run.yaml", launch={"devices": 1}, train={"max_steps": 2})
+    config = ["--config", str(spec)]
     run = tmp_path / "runs" / "t" / "a"
     assert run_train([*config, "--run-dir", str(run)], cwd=tmp_path).returncode == 0
     first = start_train([*config, *LONG], cwd=tmp_path)

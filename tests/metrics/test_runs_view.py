@@ -272,7 +272,7 @@ def _hostile_copies(good: Path, top: Path) -> Path:
     """Copies of a finished run, each with what a run (or anyone who can write into runs/)
     may leave: NaN, Infinity and huge numbers in its metrics, an outcome with an infinite
     exit code, escape codes and rich markup in folder names and reasons, a FIFO and
-    /dev/zero for a metrics file, and a link to a run beside it."""
+    /dev/zero for a metrics file and a progress file, and a link to a run beside it."""
     runs = top / "runs" / "good"
     runs.mkdir(parents=True)
     numbers = shutil.copytree(good, runs / "[ablation]run1")
@@ -286,11 +286,12 @@ def _hostile_copies(good: Path, top: Path) -> Path:
     infinite = shutil.copytree(good, runs / "infinite")
     (infinite / "outcome.json").write_text('{"status": "failed", "exit_code": 1e999, "ended": 1}')
     fifo = shutil.copytree(good, runs / "fifo")
-    (fifo / "metrics.jsonl").unlink()
-    os.mkfifo(fifo / "metrics.jsonl")
     zero = shutil.copytree(good, runs / "zero")
-    (zero / "metrics.jsonl").unlink()
-    (zero / "metrics.jsonl").symlink_to("/dev/zero")
+    for name in ("metrics.jsonl", "progress.json"):  # what `train runs` reads, and its fallback
+        (fifo / name).unlink()
+        os.mkfifo(fifo / name)
+        (zero / name).unlink()
+        (zero / name).symlink_to("/dev/zero")
     (runs / "link").symlink_to(numbers)
     return numbers
 

@@ -68,23 +68,36 @@ def _val_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["val/loss"] for r in metrics_of(run) if "val/loss" in r}
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_every_rank_evaluates_rank_0s_running_statistics(tmp_path: Path, strategy: str) -> None:
-    out = tmp_path / "bn"
-    result = run_train(
-        ["--config", str(_spec(tmp_path, strategy))], cwd=tmp_path, env={"BN_OUT": str(out)}
-    )
+def _whole_run(folder: Path, strategy: str) -> Path:
+    """A run of 8 steps in `folder`; each rank's running means at each evaluation are in
+    folder/bn-<rank>."""
+    env = {"BN_OUT": str(folder / "bn")}
+    result = run_train(["--config", str(_spec(folder, strategy))], cwd=folder, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    seen = [Path(f"{out}-{rank}").read_text().split() for rank in (0, 1)]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def whole_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _whole_run(tmp_path_factory.mktemp("whole"), "fsdp")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_every_rank_evaluates_rank_0s_running_statistics(
+    tmp_path: Path, strategy: str, request: pytest.FixtureRequest
+) -> None:
+    if strategy == "fsdp":  # the run the resumed one below is compared with
+        folder = request.getfixturevalue("whole_fsdp")
+    else:
+        folder = _whole_run(tmp_path, strategy)
+    seen = [(folder / f"bn-{rank}").read_text().split() for rank in (0, 1)]
     assert seen[0] == seen[1] and len(seen[0]) >= 2
 
 
-def test_a_resumed_fsdp_run_evaluates_as_one_that_never_stopped(tmp_path: Path) -> None:
+def test_a_resumed_fsdp_run_evaluates_as_one_that_never_stopped(
+    tmp_path: Path, whole_fsdp: Path
+) -> None:
     env = {"BN_OUT": str(tmp_path / "bn")}
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    spec = _spec(whole)
-    assert run_train(["--config", str(spec)], cwd=whole, env=env).returncode == 0
     parts = tmp_path / "parts"
     parts.mkdir()
     spec = _spec(parts)
@@ -93,7 +106,7 @@ def test_a_resumed_fsdp_run_evaluates_as_one_that_never_stopped(tmp_path: Path) 
     resumed = ["--config", str(spec), "--resume", "latest", "train.max_steps=8"]
     second = run_train(resumed, cwd=parts, env=env)
     assert second.returncode == 0, second.stdout + second.stderr
-    expected = _val_losses(only_run_dir(whole / "runs"))
+    expected = _val_losses(only_run_dir(whole_fsdp / "runs"))
     assert _val_losses(only_run_dir(parts / "runs")) == expected  # bitwise
     # The export holds those statistics: it scores what the run reported at its end.
     run = only_run_dir(parts / "runs")

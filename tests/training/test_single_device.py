@@ -91,7 +91,7 @@ def test_one_process_is_unwrapped_bitwise_as_ddp_and_resumes_on_two(tmp_path: Pa
     args += ["--devices", "2", "data.batch_size=2"]
     result = run_train(["--config", str(spec), *args], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "resuming with 2 replicas instead of 1" in result.stdout
+    assert "resuming on 2 processes instead of 1 process" in result.stdout
     ours, theirs = _losses(two), _losses(plain)
     assert sorted(ours) == [4, 5, 6]
     for step in ours:

@@ -98,18 +98,29 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_each_rank_and_worker_reads_its_own_share(tmp_path: Path) -> None:
-    result = run_train(["--config", str(_spec(tmp_path))], cwd=tmp_path)
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """12 steps of the stream without a state_dict, checkpoints at steps 5 and 10: its folder
+    (each rank's seen-rank<r>.txt is there) and its output."""
+    folder = tmp_path_factory.mktemp("counted")
+    dataset = {"dataset": {"stateful": False}}
+    spec = _spec(folder, recipe=dataset, checkpoint={"every_n_steps": 5})
+    result = run_train(["--config", str(spec)], cwd=folder)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "12 steps, a stream" in result.stdout
-    ids = {rank: [i for b in _seen(tmp_path, rank) for i in b] for rank in (0, 1)}
+    return folder, result.stdout
+
+
+def test_each_rank_and_worker_reads_its_own_share(counted: tuple[Path, str]) -> None:
+    folder, output = counted
+    assert "12 steps, a stream" in output
+    ids = {rank: [i for b in _seen(folder, rank) for i in b] for rank in (0, 1)}
     for rank, taken in ids.items():
         assert len(taken) == 12 * 4
         assert all(i % 2 == rank for i in taken), f"rank {rank} took another rank's items"
     everything = ids[0] + ids[1]
     assert len(set(everything)) == len(everything), "an item was seen twice"
     # Two workers per rank: rank r's worker w reads items r + 2w (mod 4), taking turns.
-    first = _seen(tmp_path, 0)[:2]
+    first = _seen(folder, 0)[:2]
     assert first == [[0, 4, 8, 12], [2, 6, 10, 14]]
 
 
@@ -131,12 +142,17 @@ def test_a_finite_stream_repeats_until_max_steps(tmp_path: Path) -> None:
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("stateful", [False, True], ids=["counted", "state_dict"])
-def test_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool) -> None:
+def test_resume_continues_the_stream_exactly(
+    tmp_path: Path, stateful: bool, request: pytest.FixtureRequest
+) -> None:
     dataset = {"dataset": {"stateful": stateful}}
-    reference = tmp_path / "reference"
-    spec = _spec(reference, recipe=dataset, checkpoint={"every_n_steps": 5})
-    result = run_train(["--config", str(spec)], cwd=reference)
-    assert result.returncode == 0, result.stdout + result.stderr
+    if stateful:
+        reference = tmp_path / "reference"
+        spec = _spec(reference, recipe=dataset, checkpoint={"every_n_steps": 5})
+        result = run_train(["--config", str(spec)], cwd=reference)
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:
+        reference, _ = request.getfixturevalue("counted")
     run = only_run_dir(reference / "runs")
 
     branch = tmp_path / "branch"
@@ -152,12 +168,10 @@ def test_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool) -> 
     assert ours == {step: loss for step, loss in theirs.items() if step > 5}
 
 
-def test_resume_on_another_world_size_goes_on_approximately(tmp_path: Path) -> None:
-    reference = tmp_path / "reference"
-    spec = _spec(reference, checkpoint={"every_n_steps": 5}, train={"max_steps": 5})
-    result = run_train(["--config", str(spec)], cwd=reference)
-    assert result.returncode == 0, result.stdout + result.stderr
-    start = only_run_dir(reference / "runs") / "checkpoints" / "step-00000005"
+def test_resume_on_another_world_size_goes_on_approximately(
+    tmp_path: Path, counted: tuple[Path, str]
+) -> None:
+    start = only_run_dir(counted[0] / "runs") / "checkpoints" / "step-00000005"
     branch = tmp_path / "branch"
     spec = _spec(branch, launch={"devices": 1}, train={"max_steps": 8})
     args = ["--config", str(spec), "--resume", str(start), "--run-dir", str(branch / "run")]

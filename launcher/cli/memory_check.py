@@ -1,0 +1,86 @@
+"""The memory a run's layout needs per device, worked out in the `train` process from the
+recipe, the spec and one batch (`launcher.parallel.memory_estimate`): `train validate` prints
+it, and a GPU launch says, before it starts, where it will not fit.
+
+Like `recipe_check.py`, it calls the workers' code (the parameter groups, the optimizer) in
+the launcher's process only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launcher.config.spec import RunSpec
+from launcher.parallel.dims import resolve_dims
+from launcher.parallel.memory_estimate import Layout, MemoryEstimate, estimate_memory
+from launcher.worker.optim import build_optimizer
+from launcher.worker.param_groups import group_parameters
+from launcher.worker.recipe import Recipe
+
+# The strategies whose layout the estimate knows: the xla ones lay out the model themselves.
+ESTIMATED = ("ddp", "fsdp")
+
+
+def estimate_for(
+    spec: RunSpec, recipe: Recipe, batch: Any, world: int, per_node: int
+) -> MemoryEstimate | str:
+    """The estimate for `spec`'s layout on `world` processes (`per_node` on each node), or
+    one line saying why there is none: an estimate that fails never stops a run."""
+    strategy = spec.launch.strategy
+    if strategy not in ESTIMATED:
+        return f"memory per device: not estimated for launch.strategy {strategy}"
+    dims = resolve_dims(spec.parallel, strategy, world, per_node)  # as the run will refuse
+    layout = Layout(strategy, dims, spec.fsdp, spec.train.precision, spec.data.batch_size)
+
+    def make_optimizer(model: Any) -> Any:
+        groups = group_parameters(spec.optim, model, recipe).torch_groups()
+        return build_optimizer(spec.optim, groups, device_type="cpu")
+
+    try:
+        return estimate_memory(
+            lambda: recipe.build_model(**spec.recipe.model),
+            make_optimizer,
+            batch,
+            lambda model, batch: recipe.loss(model, batch)[0],
+            layout,
+            recipe.parallelize_hook(),
+        )
+    except Exception as exc:  # the model's code on fake tensors: anything may fail
+        why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+        return (
+            f"memory per device: not estimated ({type(exc).__name__} on fake tensors"
+            + (f": {why}" if why else "")
+            + ")"
+        )
+
+
+def estimate_line(spec: RunSpec, recipe: Recipe, batch: Any, world: int) -> str:
+    """`train validate`'s line: the estimate on `world` processes of one node."""
+    estimate = estimate_for(spec, recipe, batch, world, world)
+    return estimate if isinstance(estimate, str) else estimate.describe()
+
+
+def gpu_memory_check(
+    spec: RunSpec, origin: str, world: int, per_node: int
+) -> tuple[dict[str, int] | None, str | None]:
+    """Before a GPU launch: the estimate (bytes by part, for summary.json beside the measured
+    peak), and one line where it exceeds GPU 0's memory, naming a layout that would fit
+    (`launcher.parallel.memory_fit`). None for either where there is nothing to say, or
+    where the estimate cannot be made (the run then goes on as it would have)."""
+    import torch
+
+    from launcher.cli.recipe_check import first_train_batch, load_checked
+    from launcher.launch.reaper import children_reaped
+    from launcher.parallel.memory_fit import fit_advice
+
+    try:
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+        with children_reaped():  # what the recipe starts as it builds its dataset
+            recipe = load_checked(spec, origin)
+            estimate = estimate_for(spec, recipe, first_train_batch(recipe, spec), world, per_node)
+    except Exception:  # the run itself reports a recipe's failures, with the rank's context
+        return None, None
+    if not isinstance(estimate, MemoryEstimate):
+        return None, None
+    parts = ("params", "grads", "optimizer", "activations", "peak")
+    return {part: getattr(estimate, part) for part in parts}, fit_advice(estimate, device_bytes)

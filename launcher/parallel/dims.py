@@ -1,0 +1,152 @@
+"""The dimensions of parallelism of a run, and the device mesh they make.
+
+The world is a grid of `dp_replicate x dp_shard x tp` processes, in that order, tensor
+parallelism innermost: the `tp` processes of one group are consecutive ranks, so they stay
+on one node and its fast links. A process's data-parallel rank is its row in that grid:
+every process of a tensor-parallel group gets the same batch.
+
+Used by both processes: the launcher checks the degrees against the world before anything
+starts (`resolve_dims`), and each worker builds the mesh from the same answer. Modelled on
+torchtitan's `ParallelDims`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from launcher.config.parallel import ParallelSection
+from launcher.errors import UsageError
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+DOCS = "docs/fsdp-and-parallelism.md, 'Parallelism as dimensions'"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: groups of processes that each take their own batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    @property
+    def hybrid(self) -> bool:
+        """HSDP: replicas of a sharded model."""
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+    def build_mesh(self, device_type: str) -> Any:
+        """The world's `DeviceMesh`, with an axis for each degree above 1, named as in
+        `MESH_AXES` (one `dp_shard` axis for a world of 1). Collective: every process calls
+        it, and each axis costs a process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        axes = [(n, d) for n, d in zip(MESH_AXES, self.astuple(), strict=True) if d > 1]
+        names, shape = zip(*axes, strict=True) if axes else (("dp_shard",), (1,))
+        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+    def describe(self) -> str:
+        """e.g. `dp_replicate 2 x dp_shard 2 x tp 2`, leaving out the degrees of 1."""
+        named = [f"{axis} {degree}" for axis, degree in zip(MESH_AXES, self.astuple(), strict=True)]
+        shown = [text for text, degree in zip(named, self.astuple(), strict=True) if degree > 1]
+        return " x ".join(shown) or "1 process"
+
+    def astuple(self) -> tuple[int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.tp
+
+
+def data_mesh(mesh: Any) -> Any | None:
+    """The sub-mesh of `mesh`'s data axes: 1-D for FSDP, 2-D (dp_replicate, dp_shard) for
+    HSDP; None where it has none (tensor parallelism alone)."""
+    names = mesh.mesh_dim_names or ()
+    axes = tuple(axis for axis in ("dp_replicate", "dp_shard") if axis in names)
+    return mesh[axes] if axes else None
+
+
+def resolve_dims(
+    section: ParallelSection, strategy: str, world: int, per_node: int
+) -> ParallelDims:
+    """The degrees `section` means for `strategy` on `world` processes, `per_node` on each
+    node; a `UsageError` naming the key where they cannot be."""
+    if strategy == "ddp":
+        return _ddp_dims(section, world)
+    if strategy == "fsdp":
+        return _fsdp_dims(section, world, per_node)
+    given = [key for key, value in section.model_dump().items() if value not in (None, 1)]
+    if given:
+        raise UsageError(
+            f"parallel.{given[0]}: launch.strategy {strategy} has no such dimension; the "
+            "parallel section is for ddp and fsdp",
+            hint="Remove the parallel section (the xla strategies set their own sharding).",
+        )
+    return ParallelDims(dp_replicate=world)
+
+
+def _ddp_dims(section: ParallelSection, world: int) -> ParallelDims:
+    if section.tp > 1 or section.dp_shard not in (None, 1):
+        key = "tp" if section.tp > 1 else "dp_shard"
+        raise UsageError(
+            f"parallel.{key}: ddp keeps a whole replica of the model in every process; "
+            "sharding and tensor parallelism need launch.strategy: fsdp",
+            hint="Set launch.strategy: fsdp; with parallel.dp_shard: 1 it replicates the model "
+            f"as ddp does ({DOCS}).",
+        )
+    if section.dp_replicate not in (None, "auto", world):
+        raise UsageError(
+            f"parallel.dp_replicate: {section.dp_replicate}, but ddp replicates the model on "
+            f"every one of the {world} processes",
+            hint="Remove parallel.dp_replicate, or set it to the world size.",
+        )
+    return ParallelDims(dp_replicate=world)
+
+
+def _fsdp_dims(section: ParallelSection, world: int, per_node: int) -> ParallelDims:
+    tp = section.tp
+    if tp > 1 and per_node % tp:
+        raise UsageError(
+            f"parallel.tp: {tp} does not divide the {per_node} processes of a node, so a "
+            "tensor-parallel group would span nodes, whose links are too slow for it",
+            hint=f"Choose a tp that divides {per_node}.",
+        )
+    nodes = max(1, world // per_node)
+    replicate, shard = section.dp_replicate, section.dp_shard
+    if replicate == "auto":
+        replicate = nodes
+    if replicate is None:  # the rest of the world where dp_shard is given, else 1
+        replicate = _rest(world, shard * tp) if isinstance(shard, int) else 1
+    if shard in (None, "auto"):
+        shard = _rest(world, replicate * tp)
+    dims = ParallelDims(int(replicate), int(shard), tp)  # type: ignore[arg-type]
+    if dims.world != world or not replicate or not shard:
+        raise UsageError(
+            f"parallel: dp_replicate {_shown(section.dp_replicate, replicate)} x dp_shard "
+            f"{_shown(section.dp_shard, shard)} x tp {tp} does not make the {world} processes "
+            "of this run",
+            hint="Choose degrees whose product is the world size (the devices times the "
+            "nodes), or leave one of dp_replicate or dp_shard unset to take what is left.",
+        )
+    return dims
+
+
+def _rest(world: int, taken: int) -> int:
+    """What the world leaves after `taken` processes per group; 0 where it does not divide."""
+    return world // taken if world % taken == 0 else 0
+
+
+def _shown(given: object, resolved: object) -> str:
+    if given in (None, "auto"):
+        return f"{resolved} ({given or 'unset'})" if resolved else "(nothing left)"
+    return str(given)
+
+
+__all__ = ["MESH_AXES", "ParallelDims", "data_mesh", "resolve_dims"]

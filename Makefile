@@ -13,7 +13,7 @@ VENV_XLA := .venv-xla
 SMOKE_TORCH := 211 214
 export PYTHON
 
-.PHONY: demo test test-dev test-other-torch test-xla test-smoke lint bench env env-xla env-smoke clean docs
+.PHONY: demo test test-dev test-dev-beside test-other-torch test-xla test-smoke lint bench env env-xla env-smoke clean docs
 
 env: $(VENV)/.ready
 env-xla: $(VENV_XLA)/.ready
@@ -48,12 +48,19 @@ test: lint
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-dev test-other-torch
 
 # Beside the full suite on torch 2.13: the XLA tests and the smoke suite on torch 2.9 (the one
-# torch_xla pins), then the smoke suite on 2.11 and 2.14.
+# torch_xla pins), then the smoke suite on 2.11 and 2.14, then DEV_BESIDE.
 test-other-torch:
-	$(MAKE) --no-print-directory test-xla test-smoke
+	$(MAKE) --no-print-directory test-xla test-smoke test-dev-beside
+
+# The full suite on torch 2.13 is split in two so that the two halves of make test end
+# together: DEV_BESIDE runs after the other versions' suites, the rest in test-dev.
+DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_memory_estimate.py
 
 test-dev: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests $(DEV_BESIDE:%=--ignore=%)
+
+test-dev-beside: env
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=4 $(DEV_BESIDE)
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the

@@ -259,8 +259,8 @@ def same_data_ranks(meta: dict[str, Any], strategy: Strategy) -> bool:
     """Whether each rank of this run takes the data the same rank of the checkpoint's took:
     the same world, and the same tensor-parallel degree (which maps ranks to data-parallel
     ranks). Sharding and replication change nothing of it."""
-    tp = strategy.dims.tp if strategy.dims else 1
-    return meta.get("world_size") == strategy.world_size and meta.get("tp", 1) == tp
+    same_world = meta.get("world_size") == strategy.world_size
+    return same_world and meta.get("tp", 1) == strategy.tp_degree
 
 
 @contextlib.contextmanager

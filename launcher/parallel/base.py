@@ -231,6 +231,12 @@ class Strategy(ABC):
         return self.dims.dp_size if self.dims else self.world_size
 
     @property
+    def tp_degree(self) -> int:
+        """Processes of one tensor-parallel group (1: none): they share one data-parallel
+        rank."""
+        return self.dims.tp if self.dims else 1
+
+    @property
     def replicas(self) -> int:
         """Data-parallel replicas: the devices that each take `data.batch_size` samples."""
         return self.dp_size * self.devices_per_process

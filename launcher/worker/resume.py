@@ -50,7 +50,7 @@ def restore(
     strategy.seed(spec.run.seed + state.progress.step + strategy.dp_rank)
     meta = checkpoint.read_meta(path)
     say(
-        f"resuming on {_ranks(strategy.world_size, strategy.dims.tp if strategy.dims else 1)} "
+        f"resuming on {_ranks(strategy.world_size, strategy.tp_degree)} "
         f"instead of {_ranks(meta['world_size'], meta.get('tp', 1))}: model, optimizer and "
         "data position continue; random streams are reseeded"
     )

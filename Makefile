@@ -64,9 +64,10 @@ test-dev-beside: env
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
-# launcher runs there too (the whole suite there would not fit in make test's 25 minutes).
+# launcher runs there too (the whole suite there would not fit in make test's 25 minutes), but
+# for torch.compile's (marked inductor): torch 2.9 is torch_xla's, and XLA compiles its own.
 test-xla: env-xla
-	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "(xla or smoke) and not launcher_only" tests
+	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "(xla or smoke) and not launcher_only and not inductor" tests
 
 # One end-to-end run of each main path (tests marked smoke) on every other supported torch.
 test-smoke: env-smoke
@@ -87,6 +88,7 @@ bench: env
 	$(VENV)/bin/python bench/failure_memory.py
 	$(VENV)/bin/python bench/ema_cost.py
 	$(VENV)/bin/python bench/runs_scale.py
+	$(VENV)/bin/python bench/trackers_cost.py
 
 # bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
 # spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.

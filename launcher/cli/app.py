@@ -1,6 +1,6 @@
 """`train`: the command line. It parses, builds a plan, and calls one function.
 
-`train --config run.yaml` runs; `train validate|slurm|export|schema|runs|plot ...` are the other
+`train --config run.yaml` runs; `train validate|slurm|k8s|export|schema|runs|plot ...` are the other
 commands (COMMANDS). Nothing is imported at the top that imports torch: `--help`, a bad flag or
 a spec with mistakes answer in a fraction of a second, and torch comes in once a run needs it.
 """
@@ -20,6 +20,7 @@ from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from launcher.cli.export import export_command
+from launcher.cli.k8s import k8s_command
 from launcher.cli.options import err
 from launcher.cli.plot import plot_command
 from launcher.cli.run import run_command
@@ -36,6 +37,7 @@ COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
         "check a spec and its recipe; --explain: where each value came from",
     ),
     "slurm": (slurm_command, "print an sbatch script for a SLURM cluster"),
+    "k8s": (k8s_command, "print a Kubernetes manifest: a Kubeflow PyTorchJob or a JobSet"),
     "export": (export_command, "write a checkpoint's model as one .safetensors or .pt file"),
     "schema": (schema_command, "print the spec's JSON Schema, for editors"),
     "runs": (runs_command, "list the runs: status, steps, losses, checkpoints"),

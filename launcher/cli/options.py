@@ -6,10 +6,11 @@ Nothing here imports torch: `train --help` and a bad flag answer in a fraction o
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.text import Text
@@ -18,6 +19,9 @@ from launcher.cli import interrupt
 from launcher.errors import LauncherError
 from launcher.launch.closed_output import LauncherConsole
 from launcher.safe_text import clean
+
+if TYPE_CHECKING:
+    from launcher.config.spec import RunSpec
 
 err = LauncherConsole(stderr=True, highlight=False, soft_wrap=True)
 
@@ -34,6 +38,25 @@ def run_guarded(fn: Callable[[], int], debug: bool) -> None:
         err.print(Text("error: ", style="bold red") + Text(clean(exc.render())))
         code = exc.exit_code
     raise typer.Exit(code)
+
+
+def print_from_spec(
+    config: Path, overrides: list[str] | None, debug: bool, text: Callable[[RunSpec], str]
+) -> None:
+    """The body of a command that prints a file made from the spec (`train slurm`, `train
+    k8s`): the spec is loaded and its recipe checked first, so that a mistake is said here,
+    not on the cluster."""
+
+    def print_text() -> int:
+        from launcher.cli.validate import check_recipe
+        from launcher.config.loader import load_cli_spec_and_sources
+
+        spec, sources = load_cli_spec_and_sources(config, overrides)
+        check_recipe(spec, sources)
+        sys.stdout.write(text(spec))
+        return 0
+
+    run_guarded(print_text, debug)
 
 
 def flag_help(key: str) -> str:

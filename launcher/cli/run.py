@@ -3,6 +3,7 @@ and executes; torch is imported only once the spec is valid."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -26,6 +27,7 @@ from launcher.errors import UsageError
 if TYPE_CHECKING:
     from launcher.config.loader import SpecLayers
     from launcher.config.spec import RunSpec
+    from launcher.launch.nodes import Nodes
     from launcher.launch.plan import LaunchPlan
 
 
@@ -51,8 +53,8 @@ def run_command(
         str | None,
         typer.Option(
             help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
-            "`latest`: the newest run of this run.name (with --rdzv-id or in SLURM, that job's "
-            "own folder, if it has a checkpoint yet), or `best`: that run's best checkpoint by "
+            "`latest`: the newest run of this run.name (with --rdzv-id, in SLURM or in a "
+            "Kubernetes pod, that job's own folder, if it has a checkpoint yet), or `best`: that run's best checkpoint by "
             "checkpoint.monitor."
         ),
     ] = None,
@@ -74,7 +76,7 @@ def run_command(
         str | None,
         typer.Option(
             help="Nodes in the run: N, or MIN:MAX for an elastic run. Every node runs the same "
-            "command. Inside SLURM's srun: the allocation's.",
+            "command. Inside SLURM's srun or a Kubernetes pod: the job's.",
             rich_help_panel="Multi-node",
         ),
     ] = None,
@@ -82,7 +84,7 @@ def run_command(
         str | None,
         typer.Option(
             help="This node's rank, 0 to N-1: node K runs global ranks K*devices onwards, and "
-            "node 0 hosts the rendezvous. Inside srun: SLURM_NODEID.",
+            "node 0 hosts the rendezvous. Inside srun: SLURM_NODEID; in a pod: its index.",
             rich_help_panel="Multi-node",
         ),
     ] = None,
@@ -90,7 +92,7 @@ def run_command(
         str | None,
         typer.Option(
             help="HOST:PORT of the rendezvous on node 0, the same on every node. Inside srun: "
-            "the first node of the allocation.",
+            "the first node of the allocation; in a pod: the operator's master, or pod 0.",
             rich_help_panel="Multi-node",
         ),
     ] = None,
@@ -98,7 +100,8 @@ def run_command(
         str | None,
         typer.Option(
             help="The job's name, the same on every node; the run folder is "
-            "<run.output_dir>/<run.name>/<rdzv-id>. Inside srun: the SLURM job id.",
+            "<run.output_dir>/<run.name>/<rdzv-id>. Inside srun: the SLURM job id; in a pod: the "
+            "job's name.",
             rich_help_panel="Multi-node",
         ),
     ] = None,
@@ -118,6 +121,7 @@ def run_command(
         flags = {"accelerator": accelerator, "devices": devices, "strategy": strategy}
         flags |= {"max_restarts": max_restarts, "stall_timeout": stall_timeout}
         layers = cli_layers(config, overrides, strict_compile, load_weights, **flags)
+        layers = with_operator_devices(layers, nodes)
         spec, sources = spec_given(layers, resume)
         check_recipe(spec, sources)  # a recipe that cannot load or take its arguments fails here
         from launcher.launch.execute import execute
@@ -138,6 +142,15 @@ def run_command(
         return execute(plan)
 
     run_guarded(launch, debug)
+
+
+def with_operator_devices(layers: SpecLayers, nodes: Nodes) -> SpecLayers:
+    """The processes per node a Kubeflow job asks for (PET_NPROC_PER_NODE), as a layer over
+    the YAML file: `launch.devices=` overrides and `--devices`, which come after it, win."""
+    if nodes.devices is None:
+        return layers
+    given = ("launch.devices", nodes.devices, f"PET_NPROC_PER_NODE ({nodes.source})")
+    return dataclasses.replace(layers, given=(given, *layers.given))
 
 
 def spec_given(layers: SpecLayers, resume: str | None) -> tuple[RunSpec, dict[str, str]]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from launcher.cli.options import ConfigOpt, DebugOpt, Overrides, run_guarded
-from launcher.cli.validate import check_recipe
+from launcher.cli.options import ConfigOpt, DebugOpt, Overrides, print_from_spec
+
+if TYPE_CHECKING:
+    from launcher.config.spec import RunSpec
 
 
 def slurm_command(
@@ -27,13 +28,10 @@ def slurm_command(
     """Print an sbatch script that runs this spec on a SLURM cluster and requeues itself when
     preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
 
-    def print_script() -> int:
-        from launcher.config.loader import load_cli_spec_and_sources
+    def script(spec: RunSpec) -> str:
         from launcher.launch.slurm import sbatch_script
 
-        spec, sources = load_cli_spec_and_sources(config, overrides)
-        check_recipe(spec, sources)
-        script = sbatch_script(
+        return sbatch_script(
             str(config),
             nodes,
             gpus_per_node,
@@ -44,7 +42,5 @@ def slurm_command(
             cpus_per_task=cpus_per_task,
             extra_args=list(overrides or []),
         )
-        sys.stdout.write(script)
-        return 0
 
-    run_guarded(print_script, debug)
+    print_from_spec(config, overrides, debug, script)

@@ -64,6 +64,9 @@ def validate_command(
 
             typer.echo(explain_text(spec, sources))
         from launcher.cli.recipe_check import dry_build
+        from launcher.metrics.trackers import check_installed
+
+        check_installed(spec.log.trackers)
         from launcher.launch.reaper import children_reaped
 
         with children_reaped():  # what the recipe starts as it is imported and built

@@ -13,6 +13,7 @@ from pydantic import BeforeValidator, Field, model_validator
 # The fsdp section's keys need long descriptions; it lives apart, re-exported here.
 from launcher.config.fsdp import FSDPSection
 from launcher.config.load import LoadSection
+from launcher.config.log import LogSection
 
 # Sections that need torch to check themselves live apart; the spec re-exports them.
 from launcher.config.optim import OptimSection
@@ -192,16 +193,6 @@ class XLASection(Section):
         True,
         description="Keep compiled graphs in `<run dir>/xla_cache`, so a resumed run does "
         "not compile them again.",
-    )
-
-
-class LogSection(Section):
-    tensorboard: bool = Field(
-        True,
-        description="Write TensorBoard event files into `<run dir>/tb/` (rank 0, in the "
-        "background): training and `val/*` scalars, lr, throughput, TFLOP/s and memory. "
-        "`tensorboard --logdir runs/` shows every run; no `tensorboard` package is needed to "
-        "write them.",
     )
 
 

@@ -156,7 +156,10 @@ def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
         highlight=False,
         soft_wrap=True,
     )
-    return outcome.exit_code_of_signal if outcome.signals else 0
+    if outcome.signals:
+        return outcome.exit_code_of_signal
+    # Another node's SIGTERM: under Kubernetes an exit of 0 would count this pod as done.
+    return SIGNAL_EXIT["SIGTERM"] if plan.nodes.restarted_by_exit_code else 0
 
 
 __all__ = ["execute"]

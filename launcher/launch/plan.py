@@ -24,6 +24,7 @@ from launcher.launch.devices import Devices, resolve_accelerator, resolve_device
 from launcher.launch.nodes import Nodes
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.tpu_pod import host_index
+from launcher.metrics.trackers import check_installed
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.rundir.layout import RunLayout
@@ -258,7 +259,9 @@ def _check_steps_left(spec: RunSpec, resume_from: Path) -> None:
 
 
 def _check_options(spec: RunSpec, accelerator: str) -> None:
-    """Options that the resolved accelerator or the strategy cannot honour."""
+    """Options that the resolved accelerator, the strategy or this environment cannot
+    honour."""
+    check_installed(spec.log.trackers)
     if spec.launch.strategy == "fsdp" and spec.fsdp.cpu_offload and accelerator != "gpu":
         raise UsageError(
             "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "

@@ -29,6 +29,7 @@ from launcher.rundir.reading import open_regular, read_head
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
+    from launcher.metrics.sinks import RunEnd
 
 # The most of progress.json read: a run of thousands of metrics; beyond it, a damaged file.
 MAX_PROGRESS_BYTES = 1 << 20
@@ -228,6 +229,9 @@ class ProgressSink:
         self._progress: Progress | None = None
         self._changed = False
 
+    def start(self) -> None:
+        pass  # its file appears with the first record
+
     def write(self, record: dict[str, Any]) -> None:
         if self._progress is None:
             # The file so far (a resumed run's earlier attempts; records of this one written
@@ -241,6 +245,9 @@ class ProgressSink:
         if self._progress is not None and self._changed:
             write_atomic(self.layout.progress, self._progress.to_json())
             self._changed = False
+
+    def end(self, outcome: RunEnd) -> None:
+        pass  # outcome.json, the launcher's, says how the run ended
 
     def close(self) -> None:
         self.flush()

@@ -28,7 +28,7 @@ from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import read_head
 
 if TYPE_CHECKING:
-    from launcher.metrics.sinks import Sink
+    from launcher.metrics.sinks import RunEnd, Sink
 
 # The marker rank 0 writes into metrics.jsonl when a run resumes: {"resumed_at": STEP, "time":
 # ...}, STEP the step of the checkpoint it resumed from. The records before it of later steps
@@ -101,6 +101,12 @@ class Telemetry:
             from launcher.metrics.sinks import BackgroundWriter
 
             self._sinks = BackgroundWriter(sinks)
+
+    def sinks_started(self) -> None:
+        """Before the first step: the sinks' start (a tracker's import and connection, seconds
+        of CPU) overlaps the build, not the steps; bounded by START_WAIT_S."""
+        if self._sinks is not None:
+            self._sinks.wait_started()
 
     def beat(self, step: int, busy: bool = False) -> None:
         """The heartbeat: alive, and step `step` is done; `busy`: saving or evaluating."""
@@ -187,11 +193,12 @@ class Telemetry:
             except OSError as exc:  # the run is done: a disk that filled must not fail it now
                 _warn(f"{path}: cannot write it ({exc.strerror or exc})")
 
-    def close(self) -> None:
+    def close(self, outcome: RunEnd | None = None) -> None:
+        """`outcome`: how the run ended here, for the trackers (None: it never started)."""
         # The sinks first: they never raise, and a file that fails to close (a full disk) must
         # not cost the records still queued for them.
         if self._sinks is not None:
-            self._sinks.close()
+            self._sinks.close(outcome)
         os.close(self._beat)
         for file in (self._status, self._metrics):
             if file is not None:

@@ -1,4 +1,4 @@
-"""Rank 0's TensorBoard event files (`log.tensorboard`): one sink of `launcher.metrics.sinks`,
+"""Rank 0's TensorBoard event files (`log.trackers: [tensorboard]`): one sink of `launcher.metrics.sinks`,
 whose background writer calls it, so a slow or failing disk never holds up or fails a step.
 The folder and its file appear with the first record (after metrics.jsonl has it), so an
 attempt that never trained leaves no `tb/` behind.
@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.metrics.telemetry import NOT_METRICS, is_number
 from launcher.metrics.tensorboard_events import EventWriter
+
+if TYPE_CHECKING:
+    from launcher.metrics.sinks import RunEnd
 
 # An evaluation's own timing goes with its metrics, not under train/.
 _RENAMED = {"eval_s": "val/eval_s"}
@@ -34,7 +37,7 @@ class TensorBoardSink:
     """A metrics sink (`launcher.metrics.sinks.Sink`): TensorBoard's scalars, one event file
     per run attempt. The folder and its file appear with the first record."""
 
-    name = "log.tensorboard"
+    name = "tensorboard"
 
     def __init__(
         self,
@@ -45,6 +48,9 @@ class TensorBoardSink:
         self.where = str(directory)
         self._open = writer
         self._writer: EventWriter | None = None
+
+    def start(self) -> None:
+        pass  # its file appears with the first record
 
     def write(self, record: dict[str, Any]) -> None:
         tags = scalar_tags(record)
@@ -57,6 +63,9 @@ class TensorBoardSink:
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
+
+    def end(self, outcome: RunEnd) -> None:
+        pass  # scalars only: TensorBoard has no run status
 
     def close(self) -> None:
         if self._writer is not None:

@@ -15,6 +15,10 @@ This module is the one owner of the layout; no other module joins run-folder pat
       metrics.jsonl              rank 0's metrics, averaged over every rank
       progress.json              rank 0's newest step and last and best values, kept current
       summary.json               rank 0's timings at the end
+      trackers.json              each experiment tracker's run id and last step sent (a
+                                 resume continues the same tracker run)
+      metrics.csv                rank 0's metrics, a column each (log.trackers: csv)
+      wandb/                     W&B's own files (log.trackers: wandb): offline runs to sync
       outcome.json               how the run ended: status, exit code, when (the launcher)
       .outcome.reserve           room for outcome.json, held while the run runs
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
@@ -125,6 +129,19 @@ class RunLayout:
     @property
     def tensorboard_dir(self) -> Path:
         return self.root / "tb"
+
+    @property
+    def trackers(self) -> Path:
+        return self.root / "trackers.json"
+
+    @property
+    def metrics_csv(self) -> Path:
+        return self.root / "metrics.csv"
+
+    @property
+    def wandb_parent(self) -> Path:
+        """Where W&B makes its `wandb/` folder (wandb.init's `dir`)."""
+        return self.root
 
     @property
     def outcome(self) -> Path:

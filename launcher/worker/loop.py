@@ -14,7 +14,7 @@ from launcher.checkpoint.state import ModelState
 from launcher.checkpoint.weights import load_weights
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
-from launcher.metrics.sinks import build_sinks
+from launcher.metrics.sinks import RunEnd, build_sinks
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy
 from launcher.parallel.weight_init import WeightInit
@@ -144,19 +144,22 @@ class Trainer:
             # Steps past this one that metrics.jsonl holds were lost with the attempt that
             # wrote them: readers drop them at this mark, and see each step once.
             self.telemetry.mark_resumed(self.progress.step)
+        self.telemetry.sinks_started()
         self.telemetry.start_from(self.progress.step)
         resumed = self.progress.step if self.resume_from else None
         self.report.introduce(self.grouping, self.feed.samples, resumed)
+        ended = RunEnd("failed")  # unless _run returns
         try:
             self._run()
+            ended = self._ending()
         finally:
-            self.telemetry.close()
+            self.telemetry.close(ended)
 
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
         self.saved_at = progress.step
         # Asked while the ranks were starting (a preemption, Ctrl-C on another node): no step.
-        stopped = self.strategy.any_rank(self.layout.stop_request.exists())
+        self.stop_requested = stopped = self.strategy.any_rank(self.layout.stop_request.exists())
         if stopped:
             self._say(f"stop requested: stopping before step {progress.step + 1}")
         while progress.step < self.total_steps and not stopped:
@@ -181,6 +184,13 @@ class Trainer:
         else:  # nothing went bad unnoticed, also where log lines are read late (XLA)
             self._check_finite()
         self._finish()
+
+    def _ending(self) -> RunEnd:
+        """How the run ended, for the trackers: stopped where it was asked to stop (to be
+        resumed) before its last step."""
+        stopped = self.stop_requested and self.progress.step < self.total_steps
+        best = self.layout.best() if self.state.best and self.strategy.is_main else None
+        return RunEnd("stopped" if stopped else "finished", str(best.path) if best else None)
 
     def _after_step(self) -> bool:
         """Logs, evaluates and saves as the spec says; returns whether to stop here."""
@@ -210,6 +220,7 @@ class Trainer:
             self._say(self.state.early.message())  # type: ignore[union-attr]
         elif requested:
             self._say(f"stop requested: stopping after step {step}")
+            self.stop_requested = True
         return requested or early
 
     def _evaluate(self) -> bool:

@@ -213,6 +213,7 @@ def test_demo_tells_how_to_put_train_on_the_path() -> None:
 HELP_PAGES = {
     "validate": "docs/config.md",
     "slurm": "docs/multi-node-and-slurm.md",
+    "k8s": "docs/multi-node-and-slurm.md",
     "export": "docs/evaluation-and-checkpoints.md",
     "schema": "docs/config.md",
     "runs": "docs/seeing-runs.md",

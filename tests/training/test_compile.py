@@ -14,7 +14,7 @@ import torch
 from tests.checkpoint.test_resume import _assert_bitwise, _weights
 from tests.conftest import metrics_of, only_run_dir, run_train, tiny_gpt, write_spec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.inductor]
 
 
 def _gpt(folder: Path, dropout: float, **sections: dict) -> Path:

@@ -1,0 +1,204 @@
+"""A ready Kubernetes manifest that runs `train` on several pods: a Kubeflow PyTorchJob or a
+JobSet, with the run folder on a ReadWriteMany volume (`train k8s`).
+
+Each pod runs the same `train --config ... --resume latest`; the node count, its rank and the
+rendezvous come from the operator's environment (`launcher.launch.kubernetes`), and the job's
+name names the run folder, so a restarted pod (or a restarted JobSet) continues the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+import yaml
+
+Kind = Literal["pytorchjob", "jobset"]
+DEFAULT_GRACE_PERIOD_S = 300
+DEFAULT_BACKOFF_LIMIT = 10
+RUNS_MOUNT = "/runs"  # where the volume goes when the spec's output_dir is relative
+PYTORCHJOB_PORT = 23456  # the training operator's default port, named pytorchjob-port
+_NOT_IN_NAME = re.compile(r"[^a-z0-9-]+")
+_CONTROLLER = {"pytorchjob": "Kubeflow's training operator", "jobset": "the JobSet controller"}
+
+_HEADER = """\
+# {what} for run {run}: {nodes} node(s) x {gpus} GPU(s), written by `train k8s`.
+# Apply it with:  kubectl apply -f {file}
+# ({needs} must run in the cluster).
+#
+# The run folder is {folder}/{run}/{name} on the PersistentVolumeClaim {pvc}.
+# The claim must be ReadWriteMany (NFS, CephFS, EFS, Filestore, Azure Files...): every pod
+# writes the same checkpoints. Before the first step, train checks that every node sees the
+# run folder, and stops (exit 2) if one does not.
+# The image must hold `train` and the recipe, and the config must be at {config} (in the
+# image, or on a volume mounted there): the command reads it there.
+# On SIGTERM (a pod deleted or preempted) every rank finishes its step and saves within the
+# grace period ({grace} s), train exits with 143, and the job restarts its pods (up to
+# {restarts} times); they continue the run from its newest checkpoint (--resume latest).
+"""
+
+
+def manifest(
+    config: str,
+    nodes: int,
+    gpus_per_node: int,
+    image: str,
+    run_name: str,
+    output_dir: str,
+    *,
+    kind: Kind = "pytorchjob",
+    pvc: str | None = None,
+    grace_period: int = DEFAULT_GRACE_PERIOD_S,
+    backoff_limit: int = DEFAULT_BACKOFF_LIMIT,
+    extra_args: list[str] | None = None,
+) -> str:
+    """The manifest's YAML text: comments that say how to apply it, then the volume's claim
+    (unless `pvc` names an existing one) and the job."""
+    name = job_name(run_name)
+    mount = output_dir if PurePosixPath(output_dir).is_absolute() else RUNS_MOUNT
+    args = ["--accelerator", "gpu", "--devices", str(gpus_per_node), "--resume", "latest"]
+    if mount != output_dir:  # a relative output_dir would be relative to the image's folder
+        args.append(f"run.output_dir={mount}")
+    claim = pvc or f"{name}-runs"
+    pod = _pod(
+        ["train", "--config", config, *args, *(extra_args or [])],
+        image,
+        gpus_per_node,
+        claim,
+        mount,
+        grace_period,
+        kind,
+    )
+    job = (
+        _pytorchjob(name, nodes, pod, backoff_limit)
+        if kind == "pytorchjob"
+        else _jobset(name, nodes, pod, backoff_limit)
+    )
+    documents = [job] if pvc else [_claim(claim), job]
+    header = _HEADER.format(
+        what="Kubeflow PyTorchJob" if kind == "pytorchjob" else "JobSet",
+        run=run_name,
+        nodes=nodes,
+        gpus=gpus_per_node,
+        file=f"{name}.yaml",
+        needs=_CONTROLLER[kind],
+        name=name,
+        folder=mount,
+        pvc=claim,
+        config=config if config.isprintable() else repr(config),  # a comment stays one line
+        grace=grace_period,
+        restarts=backoff_limit,
+    )
+    return header + yaml.safe_dump_all(documents, sort_keys=False, explicit_start=True)
+
+
+def job_name(run_name: str) -> str:
+    """The run's name as a Kubernetes name: pods' host names are built from it, so lower case
+    letters, digits and '-', starting with a letter, short enough for `-worker-NNN`."""
+    name = _NOT_IN_NAME.sub("-", run_name.lower()).strip("-")
+    if not name[:1].isalpha():
+        name = f"run-{name}".rstrip("-")
+    return name[:40].rstrip("-")
+
+
+def _claim(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": {
+            # Every pod mounts it at once, read and write; the storage class must allow it.
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": "100Gi"}},
+        },
+    }
+
+
+def _pod(
+    command: list[str],
+    image: str,
+    gpus: int,
+    claim: str,
+    mount: str,
+    grace_period: int,
+    kind: Kind,
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "pytorch",  # the training operator looks for a container of this name
+        "image": image,
+        "command": command,
+        "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
+        "volumeMounts": [
+            {"name": "runs", "mountPath": mount},
+            # DataLoader workers hand batches over in shared memory; a container's default
+            # /dev/shm (64 MiB) is too small for them.
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if kind == "pytorchjob":
+        container["ports"] = [{"name": "pytorchjob-port", "containerPort": PYTORCHJOB_PORT}]
+    else:
+        container["env"] = _jobset_env()
+    return {
+        "spec": {
+            # Time for every rank to finish its step and save after SIGTERM, before SIGKILL.
+            "terminationGracePeriodSeconds": grace_period,
+            **({"restartPolicy": "Never"} if kind == "jobset" else {}),
+            "containers": [container],
+            "volumes": [
+                {"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            ],
+        }
+    }
+
+
+def _jobset_env() -> list[dict[str, Any]]:
+    """A JobSet says nothing of the node count, and its name is a label: the launcher reads
+    both from the environment (JOB_COMPLETION_INDEX, the node rank, Kubernetes sets itself)."""
+    label = "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
+    return [
+        {"name": "JOBSET_NAME", "valueFrom": {"fieldRef": {"fieldPath": label}}},
+    ]
+
+
+def _pytorchjob(name: str, nodes: int, pod: dict[str, Any], backoff_limit: int) -> dict[str, Any]:
+    def replicas(count: int) -> dict[str, Any]:
+        # OnFailure: a pod whose train exits non-zero (143 after SIGTERM) is started again.
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": pod}
+
+    specs = {"Master": replicas(1)}
+    if nodes > 1:  # a copy: the YAML shows each in full, not as an alias of the other
+        specs["Worker"] = {**replicas(nodes - 1), "template": copy.deepcopy(pod)}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": {"runPolicy": {"backoffLimit": backoff_limit}, "pytorchReplicaSpecs": specs},
+    }
+
+
+def _jobset(name: str, nodes: int, pod: dict[str, Any], backoff_limit: int) -> dict[str, Any]:
+    env = pod["spec"]["containers"][0]["env"]
+    env.append({"name": "PET_NNODES", "value": str(nodes)})
+    job = {
+        "parallelism": nodes,
+        "completions": nodes,
+        "completionMode": "Indexed",
+        # One failed pod fails its Job, and the JobSet then restarts every pod together.
+        "backoffLimit": 0,
+        "template": pod,
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": {"maxRestarts": backoff_limit},
+            # Pods get stable names under a headless service: pod 0 hosts the rendezvous.
+            "network": {"enableDNSHostnames": True},
+            "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": job}}],
+        },
+    }

@@ -1,0 +1,145 @@
+"""Kubernetes and SkyPilot: where a run's nodes come from inside a pod the cluster started.
+
+Every pod (or SkyPilot node) runs the same `train --config x.yaml`; the node count, this node's
+rank, the rendezvous host and the job's name come from what the operator put into the pod's
+environment, as SLURM's come from srun's (`launcher.launch.slurm`):
+
+- Kubeflow PyTorchJob and TrainJob: torchrun's `PET_NNODES`, `PET_NODE_RANK`,
+  `PET_MASTER_ADDR`, `PET_MASTER_PORT` (and `PET_NPROC_PER_NODE`), else PyTorchJob v1's
+  `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE` and `RANK`, which count nodes, not processes.
+- A JobSet or an Indexed Job: `JOB_COMPLETION_INDEX`, and pod 0's stable name under the
+  headless service.
+- SkyPilot: `SKYPILOT_NODE_RANK`, `SKYPILOT_NUM_NODES`, `SKYPILOT_NODE_IPS`.
+
+The job's name names the run folder, so a pod started again (same name, same variables) finds
+its run and `--resume latest` continues it.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from launcher.errors import UsageError
+
+DEFAULT_PORT = 29500  # JobSets and SkyPilot give no port: torchrun's usual one
+# PyTorchJob pods are `<job>-master-0` and `<job>-worker-N`; MASTER_ADDR is `<job>-master-0`.
+_PYTORCHJOB_POD = re.compile(r"^(?P<job>[a-z0-9][a-z0-9-]*)-(master|worker)-\d+$")
+# TrainJob's PET_MASTER_ADDR is `<job>-node-0-0.<job>` (`<job>-trainer-node-0-0` before v2.0).
+_TRAINJOB_MASTER = re.compile(r"^(?P<job>[a-z0-9-]+)-(trainer-)?node-0-0\.(?P=job)(\.|$)")
+_INDEXED_POD = re.compile(r"^(?P<job>[a-z0-9][a-z0-9-]*)-(?P<index>\d+)$")
+_NOT_IN_JOB_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class JobNodes:
+    """What a pod's environment says about the run's nodes; None where it says nothing."""
+
+    nnodes: str | None  # N, or MIN:MAX; None: an Indexed Job, which does not say
+    node_rank: int | None
+    endpoint: str | None  # HOST:PORT of the rendezvous, on node 0
+    job_id: str | None  # names the run folder; None: no name found (--rdzv-id must give one)
+    source: str  # "Kubeflow PyTorchJob my-job": where the values came from
+    devices: int | None = None  # PET_NPROC_PER_NODE: processes per node, where it is a number
+    # Kubernetes restarts a pod whose process failed and takes one that exits 0 for done (an
+    # Indexed Job never runs that index again): a node that another node's SIGTERM stopped
+    # must not exit 0. SLURM's batch script requeues the whole job itself.
+    restarted_by_exit_code: bool = True
+
+
+def from_environment(
+    env: Mapping[str, str], fqdn: Callable[[], str] = socket.getfqdn
+) -> JobNodes | None:
+    """The nodes of the job this pod belongs to, or None outside one. `fqdn`: this host's
+    fully qualified name (a JobSet's pods find pod 0 by theirs)."""
+    return _kubeflow(env) or _indexed_job(env, fqdn) or _skypilot(env)
+
+
+# torchrun's variables (a TrainJob, a PyTorchJob with nprocPerNode) first, where WORLD_SIZE
+# may count processes; else PyTorchJob v1's, which count pods, one node each. Only all four
+# together: a MASTER_ADDR left in a shell does not make a cluster.
+_KUBEFLOW_KEYS = (
+    ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"),
+    ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"),
+)
+
+
+def _kubeflow(env: Mapping[str, str]) -> JobNodes | None:
+    for nnodes, rank, master, port in _KUBEFLOW_KEYS:
+        if all(env.get(key) for key in (nnodes, rank, master, port)):
+            kind, job = _kubeflow_job(env[master], env.get("HOSTNAME", ""))
+            return JobNodes(
+                nnodes=env[nnodes],
+                node_rank=_number(env, rank),
+                endpoint=f"{env[master]}:{env[port]}",
+                job_id=job,
+                source=f"Kubeflow {kind} {job}" if job else f"{master}, {nnodes} and {rank}",
+                devices=_devices(env.get("PET_NPROC_PER_NODE", "")),
+            )
+    return None
+
+
+def _kubeflow_job(master: str, hostname: str) -> tuple[str, str | None]:
+    """The kind and name of the Kubeflow job, from the master's address (the same on every
+    pod) or else this pod's own name."""
+    trainjob = _TRAINJOB_MASTER.match(master)
+    if trainjob:
+        return "TrainJob", trainjob["job"]
+    for name in (master.partition(".")[0], hostname):
+        pod = _PYTORCHJOB_POD.match(name)
+        if pod:
+            return "PyTorchJob", pod["job"]
+    return "PyTorchJob", None
+
+
+def _indexed_job(env: Mapping[str, str], fqdn: Callable[[], str]) -> JobNodes | None:
+    index = env.get("JOB_COMPLETION_INDEX")
+    if not index:
+        return None
+    host, dot, domain = fqdn().partition(".")
+    pod = _INDEXED_POD.match(host)
+    if pod is None:
+        raise UsageError(
+            f"JOB_COMPLETION_INDEX={index}, but this pod's name {host!r} is not an Indexed "
+            "Job's `<job>-<index>`: pod 0's address cannot be told from it",
+            hint="Give the rendezvous yourself: --rdzv-endpoint HOST:PORT --rdzv-id NAME.",
+        )
+    # Pod 0's stable name under the same headless service: `<job>-0.<subdomain>...`.
+    port = env.get("MASTER_PORT") or str(DEFAULT_PORT)
+    jobset = env.get("JOBSET_NAME")
+    return JobNodes(
+        nnodes=env.get("PET_NNODES") or None,
+        node_rank=_number(env, "JOB_COMPLETION_INDEX"),
+        endpoint=f"{pod['job']}-0{dot}{domain}:{port}",
+        job_id=jobset or pod["job"],
+        source=f"JobSet {jobset}" if jobset else f"Indexed Job {pod['job']}",
+    )
+
+
+def _skypilot(env: Mapping[str, str]) -> JobNodes | None:
+    keys = ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS")
+    if not all(env.get(key) for key in keys):
+        return None
+    head = env["SKYPILOT_NODE_IPS"].split()[0]  # one IP a line; the first is the head node
+    # A managed job keeps its task id across recoveries: it names the run folder.
+    task = _NOT_IN_JOB_ID.sub("-", env.get("SKYPILOT_TASK_ID", "")).strip("-._")[:100] or None
+    return JobNodes(
+        nnodes=env["SKYPILOT_NUM_NODES"],
+        node_rank=_number(env, "SKYPILOT_NODE_RANK"),
+        endpoint=f"{head}:{env.get('MASTER_PORT') or DEFAULT_PORT}",
+        job_id=task,
+        source=f"SkyPilot task {task}" if task else "SkyPilot",
+    )
+
+
+def _number(env: Mapping[str, str], key: str) -> int:
+    if not env[key].isdigit():
+        raise UsageError(f"{key}={env[key]!r}: expected a node rank, 0 or more")
+    return int(env[key])
+
+
+def _devices(text: str) -> int | None:
+    """PET_NPROC_PER_NODE as a count: `auto`, `gpu` and `cpu` leave it to `--devices`."""
+    return int(text) if text.isdigit() and int(text) > 0 else None

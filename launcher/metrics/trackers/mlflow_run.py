@@ -1,0 +1,92 @@
+"""The `mlflow` tracker: one MLflow run per run folder, on the server `MLFLOW_TRACKING_URI`
+names (MLflow's own default where unset), in the experiment `log.mlflow.experiment`. A resumed
+or restarted run sets the same MLflow run RUNNING again and goes on logging to it.
+
+Everything goes through `MlflowClient` (no fluent API): the client keeps no process-wide active
+run, and it is only used from the background writer's thread."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from launcher.metrics.sinks import RunEnd, warn
+from launcher.metrics.trackers.base import TrackerSink, flat_params
+
+# MLflow's limits on one request (mlflow.utils.validation): params per batch, a param's length.
+_PARAMS_PER_BATCH = 100
+_PARAM_LENGTH = 6000
+_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+
+
+class MlflowSink(TrackerSink):
+    name = "mlflow"
+
+    def connect(self, earlier: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        uri = mlflow.get_tracking_uri()
+        self.where = uri
+        self.client = client = MlflowClient(uri)
+        run_id = earlier.get("run_id") if earlier.get("tracking_uri") == uri else None
+        same_run = run_id is not None and self._reopened(run_id)
+        if same_run:
+            self.run_id = run_id
+            self._log_params(client.get_run(run_id).data.params)
+        else:
+            experiment = self._experiment_id()
+            tags = {"launcher.run_dir": str(self.layout.root)}
+            run = client.create_run(experiment, run_name=self.layout.root.name, tags=tags)
+            self.run_id = run.info.run_id
+            self._log_params({})
+        return {"run_id": self.run_id, "tracking_uri": uri}, same_run
+
+    def _reopened(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+        except MlflowException as exc:  # deleted, or a server reset: a new run, said once
+            warn(self.name, f"run {run_id} of an earlier attempt is gone ({exc}); logging to "
+                 "a new MLflow run")  # fmt: skip
+            return False
+        return True
+
+    def _experiment_id(self) -> str:
+        name = (
+            self.spec.log.mlflow.experiment
+            or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+            or self.spec.run.name
+        )
+        found = self.client.get_experiment_by_name(name)
+        return found.experiment_id if found is not None else self.client.create_experiment(name)
+
+    def _log_params(self, logged: dict[str, str]) -> None:
+        """The spec's keys the run has not logged. MLflow refuses to change a param, so a key
+        a resume changed is a tag, `resumed/<key>`, with its new value."""
+        from mlflow.entities import Param, RunTag
+
+        params, tags = [], []
+        for key, value in flat_params(self.spec).items():
+            value = value[:_PARAM_LENGTH]
+            if key not in logged:
+                params.append(Param(key, value))
+            elif logged[key] != value:
+                tags.append(RunTag(f"resumed/{key}", value))
+        for start in range(0, len(params), _PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[start : start + _PARAMS_PER_BATCH])
+        for start in range(0, len(tags), _PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, tags=tags[start : start + _PARAMS_PER_BATCH])
+
+    def send(self, step: int, metrics: dict[str, float], record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        millis = int(1000 * float(record.get("time", 0.0)))
+        batch = [Metric(key, value, millis, step) for key, value in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def finish(self, outcome: RunEnd) -> None:
+        if outcome.best_checkpoint:
+            self.client.set_tag(self.run_id, "best_checkpoint", outcome.best_checkpoint)
+        self.client.set_terminated(self.run_id, status=_STATUS[outcome.status])

@@ -1,0 +1,63 @@
+"""A real MLflow tracking server on loopback, its store a SQLite file: for the trackers' tests
+and bench/trackers_cost.py. Started as a team would (`mlflow server`), without MLflow's
+background job workers, which nothing here uses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path, startup_timeout: float = 90) -> Iterator[str]:
+    """Runs `mlflow server` with its store in `folder`; yields its URL; ends it, and whatever
+    it started, on the way out."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "1", "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
+        "--default-artifact-root", str(folder / "artifacts"),
+    ]  # fmt: skip
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log_path = folder / "server.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_up(url, server, log_path, startup_timeout)
+            yield url
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _wait_until_up(url: str, server: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).close()
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not start:\n{log.read_text()}") from None
+            time.sleep(0.3)

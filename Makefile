@@ -54,7 +54,8 @@ test-other-torch:
 
 # The full suite on torch 2.13 is split in two so that the two halves of make test end
 # together: DEV_BESIDE runs after the other versions' suites, the rest in test-dev.
-DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_memory_estimate.py
+DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_memory_estimate.py \
+	tests/training/test_compile.py tests/metrics/test_trackers.py tests/launch/test_kubernetes.py
 
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests $(DEV_BESIDE:%=--ignore=%)
@@ -64,10 +65,9 @@ test-dev-beside: env
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
-# launcher runs there too (the whole suite there would not fit in make test's 25 minutes), but
-# for torch.compile's (marked inductor): torch 2.9 is torch_xla's, and XLA compiles its own.
+# launcher runs there too (the whole suite there would not fit in make test's 25 minutes).
 test-xla: env-xla
-	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "(xla or smoke) and not launcher_only and not inductor" tests
+	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "(xla or smoke) and not launcher_only" tests
 
 # One end-to-end run of each main path (tests marked smoke) on every other supported torch.
 test-smoke: env-smoke

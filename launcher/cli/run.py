@@ -54,8 +54,8 @@ def run_command(
         typer.Option(
             help="Continue from a checkpoint folder, a run folder (its newest complete checkpoint), "
             "`latest`: the newest run of this run.name (with --rdzv-id, in SLURM or in a "
-            "Kubernetes pod, that job's own folder, if it has a checkpoint yet), or `best`: that run's best checkpoint by "
-            "checkpoint.monitor."
+            "Kubernetes pod, that job's own folder, if it has a checkpoint yet), or `best`: "
+            "that run's best checkpoint by checkpoint.monitor."
         ),
     ] = None,
     run_dir: Annotated[

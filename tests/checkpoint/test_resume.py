@@ -198,9 +198,14 @@ def _saved_run(tmp_path: Path, **sections) -> tuple[Path, Path]:  # type: ignore
 
 
 @pytest.mark.parametrize(
-    ("devices", "batch"), [pytest.param(1, 8, marks=pytest.mark.smoke), (4, 2)]
+    ("strategy", "devices", "batch"),
+    [
+        ("ddp", 1, 8),
+        pytest.param("fsdp", 1, 8, marks=pytest.mark.smoke),  # DCP's resharding: torch's API
+        ("ddp", 4, 2),
+        ("fsdp", 4, 2),
+    ],
 )
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_resume_with_another_world_size(
     tmp_path: Path, strategy: str, devices: int, batch: int
 ) -> None:

@@ -14,7 +14,7 @@ import torch
 from tests.checkpoint.test_resume import _assert_bitwise, _weights
 from tests.conftest import metrics_of, only_run_dir, run_train, tiny_gpt, write_spec
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.inductor]
+pytestmark = pytest.mark.timeout(300)
 
 
 def _gpt(folder: Path, dropout: float, **sections: dict) -> Path:
@@ -75,7 +75,6 @@ def test_compiled_fsdp_with_accumulation_and_eval_agrees_with_eager(tmp_path: Pa
     assert summary["dynamo_compilations_after_warmup"] == 0
 
 
-@pytest.mark.smoke
 def test_compiled_resume_is_bitwise_and_loads_the_cached_kernels(tmp_path: Path) -> None:
     """With dropout (inductor draws its own random numbers) and bf16 autocast. The run that
     stops at step 4 and resumes in its own folder compiles nothing afresh."""

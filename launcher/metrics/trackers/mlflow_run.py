@@ -13,8 +13,10 @@ from typing import Any
 from launcher.metrics.sinks import RunEnd, warn
 from launcher.metrics.trackers.base import TrackerSink, flat_params
 
-# MLflow's limits on one request (mlflow.utils.validation): params per batch, a param's length.
+# MLflow's limits on one request (mlflow.utils.validation): params and metrics per batch, a
+# param's length.
 _PARAMS_PER_BATCH = 100
+_METRICS_PER_BATCH = 1000
 _PARAM_LENGTH = 6000
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 
@@ -29,6 +31,7 @@ class MlflowSink(TrackerSink):
         uri = mlflow.get_tracking_uri()
         self.where = uri
         self.client = client = MlflowClient(uri)
+        self._pending: list[Any] = []  # metrics sent since the last push
         run_id = earlier.get("run_id") if earlier.get("tracking_uri") == uri else None
         same_run = run_id is not None and self._reopened(run_id)
         if same_run:
@@ -83,8 +86,14 @@ class MlflowSink(TrackerSink):
         from mlflow.entities import Metric
 
         millis = int(1000 * float(record.get("time", 0.0)))
-        batch = [Metric(key, value, millis, step) for key, value in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        self._pending += [Metric(key, value, millis, step) for key, value in metrics.items()]
+
+    def push(self) -> None:
+        # One request for every record since the last push: a request per record would make
+        # the server insert rows at every step of a fast run.
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), _METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=pending[start : start + _METRICS_PER_BATCH])
 
     def finish(self, outcome: RunEnd) -> None:
         if outcome.best_checkpoint:

@@ -14,20 +14,14 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_port
 
 
 @contextlib.contextmanager
 def mlflow_server(folder: Path, startup_timeout: float = 90) -> Iterator[str]:
     """Runs `mlflow server` with its store in `folder`; yields its URL; ends it, and whatever
     it started, on the way out."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
         "--workers", "1", "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",

@@ -23,8 +23,6 @@ from launcher.metrics.trackers.mlflow_run import MlflowSink
 from launcher.metrics.trackers.records import TrackerRecords
 from tests.conftest import (
     FAULTY_RECIPE,
-    REPO,
-    TRAIN,
     finish_train,
     free_port,
     metrics_of,
@@ -229,4 +227,3 @@ def test_a_tracker_without_its_package_is_refused_before_launch(tmp_path: Path) 
         )  # fmt: skip
         usage_error(result, "log.trackers: wandb needs the wandb package", "launcher[wandb]")
     assert not (tmp_path / "runs").exists()
-    assert TRAIN.exists() and REPO.exists()

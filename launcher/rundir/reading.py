@@ -3,20 +3,48 @@ only regular files are read (a FIFO would block the reader forever, `/dev/zero` 
 its memory), and never more than a bound, so a rank that wrote a gigabyte of log costs the
 launcher a few megabytes when it reports the failure.
 
-Every function returns None (or nothing) where the file is missing, unreadable or not a
-regular file: these readers report on runs, and one odd file must never break a report."""
+The byte readers return None (or nothing) where the file is missing, unreadable or not a
+regular file: these readers report on runs, and one odd file must never break a report.
+`read_json` is the one way a JSON file from a run folder, a checkpoint or a weights source is
+read: bounded in size by its kind (`JSON_LIMITS`), a regular file, and nested no deeper than
+the parser can take; anything else is one `UnreadableJson` line naming the file."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from launcher.errors import UsageError
 
 # What the launcher's reports read of a rank's log: its end, where the traceback is.
 LOG_TAIL_BYTES = 4 << 20
+
+# The most bytes each kind of JSON file may have. Each is far above what the launcher or a
+# library writes (a checkpoint's meta.json holds the spec and its YAML file, itself at most
+# 5 MiB; the largest Hugging Face index known, a mixture of experts', is about 9 MB) and far
+# below what would fill a machine's memory once parsed.
+JSON_LIMITS = {
+    "checkpoint meta": 32 << 20,
+    "weights index": 32 << 20,
+    "safetensors header": 100_000_000,  # safetensors' own limit
+    "trackers": 1 << 20,
+    "record": 1 << 20,  # outcome.json, progress.json, a rank's step times: small records
+}
+
+
+class UnreadableJson(UsageError):
+    """A JSON file that cannot be taken: not a regular file, too large, not JSON, too deep.
+    `reason` alone (without the path) is for a message that names the file itself."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
 
 
 @contextlib.contextmanager
@@ -66,3 +94,55 @@ def read_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> bytes | None:
 def read_log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
     """A rank's log's end as text ("" where there is none)."""
     return (read_tail(path, limit) or b"").decode("utf-8", errors="replace")
+
+
+def read_json(path: Path, kind: str) -> Any:
+    """The JSON value in `path`, a file of `kind` (a key of JSON_LIMITS). A missing file
+    raises FileNotFoundError, as open() does; any other problem UnreadableJson."""
+    limit = JSON_LIMITS[kind]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a link loop, a folder, no permission
+        raise UnreadableJson(path, f"cannot be read ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # /dev/zero, a FIFO: never read
+            raise UnreadableJson(path, "not a regular file")
+        if info.st_size > limit:
+            raise UnreadableJson(path, _too_large(info.st_size, limit, kind))
+        try:
+            data = file.read(limit + 1)  # a file that grows while read is bounded too
+        except OSError as exc:
+            raise UnreadableJson(path, f"cannot be read ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise UnreadableJson(path, _too_large(len(data), limit, kind))
+    return parse_json(data, path)
+
+
+def parse_json(data: bytes | str, where: Path | str) -> Any:
+    """`data` parsed as JSON; UnreadableJson naming `where` if it is not JSON or is nested
+    deeper than the parser's recursion allows."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UnreadableJson(where, "nested too deeply to be a file the launcher wrote") from None
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise UnreadableJson(where, f"not valid JSON ({_first_line(exc)})") from None
+
+
+def read_json_or_none(path: Path, kind: str) -> Any:
+    """As read_json, for reports: None where the file is missing or cannot be taken."""
+    try:
+        return read_json(path, kind)
+    except (FileNotFoundError, UnreadableJson):
+        return None
+
+
+def _too_large(size: int, limit: int, kind: str) -> str:
+    return f"{size:,} bytes, more than a {kind} file may have ({limit:,})"
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]

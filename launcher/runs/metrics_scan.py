@@ -280,12 +280,18 @@ def _not_replaced(lines: np.ndarray, steps: np.ndarray, markers: Column) -> np.n
     return np.isnan(steps) | (steps <= limit)
 
 
+# The largest magnitude a curve draws: twice it, and the margins the plotting packages add,
+# stay finite.
+DRAWABLE = 1e300
+
+
 def downsample(
     xs: np.ndarray, ys: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The finite points to draw `width` columns wide (xs ascending), and the x of each
-    column that holds a NaN or an infinity."""
-    finite = np.isfinite(ys)
+    """The points to draw `width` columns wide (xs ascending), and the x of each column that
+    holds a value with no height: NaN, an infinity, or one so large that the axis' span
+    would overflow (1e308 beside -1e308: the plotting packages fail on it)."""
+    finite = np.abs(ys) <= DRAWABLE  # False for NaN too
     xs_kept, ys_kept = _extremes(xs[finite], ys[finite], width)
     bad = xs[~finite]
     if len(bad):

@@ -35,7 +35,8 @@ class Curve:
     ys: list[float]
     run: int = 0  # which of the runs: its colour in a figure file
     evaluation: bool = False  # a val/* metric: dashed
-    not_finite: list[float] = field(default_factory=list)  # x of each NaN or infinity (a column's)
+    # x of each NaN, infinity or value beyond DRAWABLE (a column's)
+    not_finite: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -140,7 +141,8 @@ def draw_in_terminal(panels: list[Panel], x: str) -> None:
         shown = ", ".join(f"{v / scale:g}" for v in curve.not_finite[:5])
         more = f" and {len(curve.not_finite) - 5} more" if len(curve.not_finite) > 5 else ""
         sys.stdout.write(
-            f"{curve.label}: not finite (NaN or infinite) at {x_label} {shown}{more}\n"
+            f"{curve.label}: not finite (NaN, infinite or beyond ±1e300) at {x_label} "
+            f"{shown}{more}\n"
         )
 
 

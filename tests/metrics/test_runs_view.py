@@ -319,3 +319,20 @@ def test_runs_and_plot_survive_what_a_run_folder_may_hold(
     if importlib.util.find_spec("plotext") is not None:
         drawn = cli("plot", str(numbers))
         assert drawn.returncode == 0, drawn.stderr  # NaN, Infinity and 10**400 left out
+
+
+def test_plot_draws_a_loss_of_plus_and_minus_1e308(runs: tuple[Path, dict], tmp_path: Path) -> None:
+    """Both are finite, but the axis between them spans more than a float holds: matplotlib
+    and plotext failed with a traceback. They are marked as values with no height."""
+    out, _ = runs
+    huge = shutil.copytree(listed(out, "good")["good"]["folder"], tmp_path / "huge")
+    with (huge / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 11, "loss": 1e308}\n{"step": 12, "loss": -1e308}\n')
+        f.write('{"step": 13, "loss": 1e300}\n{"step": 14, "loss": -1e300}\n')  # still drawn
+    for package, args in (("plotext", []), ("matplotlib", ["--out", str(tmp_path / "c.png")])):
+        if importlib.util.find_spec(package) is None:
+            continue
+        drawn = cli("plot", str(huge), *args)
+        assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+        if package == "plotext":
+            assert "beyond ±1e300) at step 11, 12\n" in drawn.stdout, drawn.stdout

@@ -14,6 +14,8 @@ import psutil
 import pytest
 import yaml
 
+from launcher.config.spec import RunSpec
+
 REPO = Path(__file__).resolve().parent.parent
 
 # A recipe that misbehaves on demand: $FAULT at micro-step $FAULT_AT (default 4) of rank
@@ -223,3 +225,16 @@ def metrics_of(run_dir: Path) -> list[dict]:
     from launcher.runs.metrics_file import read_records
 
     return read_records(run_dir / "metrics.jsonl")
+
+
+def bare_spec(tmp_path: Path, **launch: object) -> RunSpec:
+    """A resolved spec named `exp` under tmp_path/runs, for the launcher's plan alone: its
+    recipe is never loaded."""
+    return RunSpec.model_validate(
+        {
+            "run": {"name": "exp", "output_dir": str(tmp_path / "runs")},
+            "launch": {"accelerator": "cpu", **launch},
+            "recipe": {"source": "r.py"},
+            "train": {"max_steps": 1},
+        }
+    )

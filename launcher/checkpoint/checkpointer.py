@@ -31,6 +31,7 @@ from launcher.checkpoint.format import (
     saved_with,
     weights_only_planner,
 )
+from launcher.checkpoint.pruning import prune
 from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
@@ -204,12 +205,7 @@ class Checkpointer:
         _fsync_dir(final.parent)
         # The best checkpoints as of this one are kept whatever their age.
         best = [step for step, _ in (meta.get("best") or {}).get("kept", [])]
-        for old in self.layout.prunable(self.keep_last, protected=best):
-            # Unpublish first (atomic), so a crash mid-delete leaves no half checkpoint
-            # that still looks complete.
-            unpublished = CheckpointFiles(old).unpublished
-            os.replace(old, unpublished)
-            shutil.rmtree(unpublished, ignore_errors=True)
+        prune(self.layout, self.keep_last, protected=best)
 
 
 def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from launcher.errors import UsageError
 from launcher.parallel.wrapper_names import without_wrappers
 from launcher.rundir.atomic import write_new
 from launcher.rundir.layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
+from launcher.rundir.reading import UnreadableJson
 
 COMMAND = "train export"
 # Reads of a run's newest checkpoint, each one removed by the run while it was read.
@@ -117,7 +118,10 @@ def resolve_source(source: Path, *, best: bool = False) -> tuple[Path, Best | No
     if best:
         if run is None:
             raise UsageError(f"{COMMAND} {source} --best: this checkpoint is not in a run folder")
-        chosen = RunLayout(run).best()
+        try:
+            chosen = RunLayout(run).best()
+        except UnreadableJson as exc:  # its newest checkpoint's record of the best ones
+            raise UsageError(f"{COMMAND} {source} --best: {exc.message}") from None
         if chosen is None:
             raise UsageError(
                 f"{COMMAND} {source} --best: the run {run} has no best checkpoint",

@@ -11,13 +11,15 @@ choosing a checkpoint (`launcher.checkpoint.selection`) stay torch-free.
 from __future__ import annotations
 
 import io
-import json
 import pickle
+import stat
 from pathlib import Path
 from typing import Any
 
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles
+from launcher.rundir.reading import UnreadableJson, open_regular, read_json
+from launcher.safe_text import clean
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -76,7 +78,9 @@ def read_metadata(path: Path, flag: str = "--resume") -> Any:
     except FileNotFoundError:
         raise UsageError(f"{flag} {path}: no .metadata file; not a complete checkpoint") from None
     except _CORRUPT as exc:
-        raise UsageError(f"{flag} {path}: corrupt or unsafe checkpoint metadata ({exc})") from None
+        raise UsageError(
+            f"{flag} {path}: corrupt or unsafe checkpoint metadata ({clean(str(exc))})"
+        ) from None
 
 
 def saved_with(path: Path, prefix: str) -> bool:
@@ -86,8 +90,18 @@ def saved_with(path: Path, prefix: str) -> bool:
 
 
 def _load_metadata(path: Path) -> Any:
-    with open(CheckpointFiles(path).dcp_metadata, "rb") as f:
-        return _MetadataUnpickler(f).load()
+    metadata = CheckpointFiles(path).dcp_metadata
+    with open_regular(metadata) as file:  # a FIFO would block, a device never end
+        if file is None:
+            if not metadata.exists():
+                raise FileNotFoundError(metadata)
+            raise pickle.UnpicklingError(".metadata is not a regular file")
+        try:
+            return _MetadataUnpickler(file).load()
+        except MemoryError:
+            # A length in the pickle that claims more bytes than the machine has: the
+            # unpickler allocates before it reads (and finds the file far shorter).
+            raise pickle.UnpicklingError("it claims more memory than there is") from None
 
 
 def damage(path: Path) -> str | None:
@@ -99,7 +113,7 @@ def damage(path: Path) -> str | None:
     except FileNotFoundError:
         return ".metadata is missing"
     except _CORRUPT as exc:
-        return f".metadata: corrupt or unsafe checkpoint metadata ({exc})"
+        return f".metadata: corrupt or unsafe checkpoint metadata ({clean(str(exc))})"
     return _data_damage(path, getattr(metadata, "storage_data", None)) or _state_damage(path)
 
 
@@ -113,31 +127,51 @@ def _data_damage(path: Path, storage: Any) -> str | None:
             ends[name] = max(ends.get(name, 0), offset + length)
     for name, end in sorted(ends.items()):
         if Path(name).is_absolute() or ".." in Path(name).parts:
-            return f".metadata: names a file outside the checkpoint ({name})"
+            return f".metadata: names a file outside the checkpoint ({clean(name)})"
         try:
-            size = (path / name).stat().st_size
+            info = (path / name).stat()
         except FileNotFoundError:
-            return f"{name} is missing"
-        if size < end:
-            return f"{name} is truncated: {size:,} bytes, where .metadata places {end:,}"
+            return f"{clean(name)} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{clean(name)} is not a regular file"
+        if (size := info.st_size) < end:
+            return f"{clean(name)} is truncated: {size:,} bytes, where .metadata places {end:,}"
     return None
 
 
 def read_meta(path: Path) -> dict[str, Any]:
     """The checkpoint's meta.json: progress, the spec that made it, the YAML file as that run
-    read it (`config_file`), the world size."""
-    return json.loads(CheckpointFiles(path).meta.read_text())
+    read it (`config_file`), the world size. UnreadableJson where it cannot be read, or is
+    not a JSON object."""
+    meta_file = CheckpointFiles(path).meta
+    try:
+        meta = read_json(meta_file, "checkpoint meta")
+    except FileNotFoundError:
+        raise UnreadableJson(meta_file, "missing") from None
+    if not isinstance(meta, dict):
+        raise UnreadableJson(meta_file, "not a checkpoint's record (a JSON object)")
+    return meta
+
+
+def recorded_spec(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The spec the checkpoint's run trained with, and the YAML file as that run read it
+    (None where the checkpoint predates that record): what a resume starts from."""
+    meta = read_meta(path)
+    spec, yaml_file = meta.get("spec"), meta.get("config_file")
+    if not isinstance(spec, dict) or not isinstance(yaml_file, dict | None):
+        raise UnreadableJson(
+            CheckpointFiles(path).meta, "records no spec to resume with (`spec`, `config_file`)"
+        )
+    return spec, yaml_file
 
 
 def meta_damage(path: Path) -> str | None:
     """What keeps the checkpoint's meta.json from being read; None when it reads."""
     try:
-        meta = json.loads(CheckpointFiles(path).meta.read_text())
-    except FileNotFoundError:
-        return "meta.json is missing"
-    except ValueError as exc:
-        return f"meta.json is not valid JSON ({exc})"
-    world_size = meta.get("world_size") if isinstance(meta, dict) else None
+        meta = read_meta(path)
+    except UnreadableJson as exc:
+        return f"{Path(exc.path).name}: {exc.reason}"
+    world_size = meta.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
         return "meta.json does not record the world size the checkpoint was saved with"
     return None
@@ -150,15 +184,17 @@ def _state_damage(path: Path) -> str | None:
         return problem
     import torch
 
-    world_size = json.loads(files.meta.read_text())["world_size"]
-    for rank in range(world_size):
-        try:
-            torch.load(files.rank_state(rank), map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            return f"{files.rank_state(rank).name} is missing"
-        except Exception as exc:  # torch raises a different type for each way a file is broken
-            reason = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
-            return f"{files.rank_state(rank).name} does not load ({reason})"
+    for rank in range(read_meta(path)["world_size"]):
+        name = files.rank_state(rank).name
+        with open_regular(files.rank_state(rank)) as file:  # a FIFO would block torch.load
+            if file is None:
+                exists = files.rank_state(rank).exists()
+                return f"{name} is not a regular file" if exists else f"{name} is missing"
+            try:
+                torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # torch raises a different type for each way it breaks
+                reason = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
+                return f"{name} does not load ({clean(reason)})"
     return None
 
 
@@ -194,9 +230,11 @@ def loaded_keys(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def first_problems(problems: list[str], limit: int = 10) -> list[str]:
-    """The first `limit` mismatches of a refusal, and how many more there are."""
+    """The first `limit` mismatches of a refusal, and how many more there are. Each names
+    tensors as a file named them: cleaned of escape sequences (`launcher.safe_text`), as a
+    rank's output is, since the failure panel shows them as the rank's log holds them."""
     more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
-    return problems[:limit] + more
+    return [clean(problem) for problem in problems[:limit]] + more
 
 
 def _mismatches(ours: dict[str, Any], theirs: dict[str, Any], prefix: str) -> list[str]:

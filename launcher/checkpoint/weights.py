@@ -30,6 +30,7 @@ from launcher.config.load import LoadSection
 from launcher.errors import UsageError
 from launcher.parallel.base import Strategy
 from launcher.parallel.wrapper_names import without_wrappers
+from launcher.safe_text import clean
 
 _MODEL = "model."  # a checkpoint's model entries (not `optim.`, nor `ema.`)
 
@@ -60,16 +61,30 @@ def load_weights(
     source = find_weights(Path(load.weights))
     own = get_model_state_dict(model)  # this rank's tensors: shards under fsdp
     match = strategy.from_main(_match_on_main(source, model, own) if strategy.is_main else None)
-    if match.error is not None:
-        raise UsageError(match.error[0], hint=match.error[1])
-    if match.problems and load.strict:
-        raise _refusal(source, match.problems)
+    _refuse_unfit(source, match, load.strict)
     if source.kind == "checkpoint":
         _load_checkpoint(model, strategy, source.path, match.pairs, own)
     else:
         strategy.load_whole_weights(model, lambda: _read_files(source, match.pairs))
     if strategy.is_main:
         print(_loaded_line(source, match), flush=True)
+
+
+def match_model(source: WeightsSource, model: nn.Module, strict: bool) -> Match:
+    """`source` matched against the whole of `model` outside a run (`train validate`, on the
+    meta device), refused as a run refuses it at its start."""
+    match = _match_on_main(source, model, model.state_dict())
+    _refuse_unfit(source, match, strict)
+    return match
+
+
+def _refuse_unfit(source: WeightsSource, match: Match, strict: bool) -> None:
+    """The one rule: a source that cannot be read is refused, and one whose names do not fit
+    the model unless `load.strict` is false."""
+    if match.error is not None:
+        raise UsageError(match.error[0], hint=match.error[1])
+    if match.problems and strict:
+        raise _refusal(source, match.problems)
 
 
 def _match_on_main(source: WeightsSource, model: nn.Module, own: dict[str, Any]) -> Match:
@@ -121,7 +136,9 @@ def _by_bare_name(names: dict[str, Any]) -> dict[str, str]:
     for name in names:
         other = bare.setdefault(without_wrappers(name), name)
         if other != name:
-            raise UsageError(f"{KEY}: {other} and {name} differ only by a wrapper's name")
+            raise UsageError(
+                f"{KEY}: {clean(other)} and {clean(name)} differ only by a wrapper's name"
+            )
     return bare
 
 
@@ -164,7 +181,7 @@ def _torch_load(path: Path) -> dict[str, Any]:
         )
     except Exception as exc:  # torch raises a different type for each way a file is broken
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{KEY} {path}: cannot read it ({reason})") from exc
+        raise UsageError(f"{KEY} {path}: cannot read it ({clean(reason)})") from exc
     tensors = isinstance(state, dict) and any(isinstance(v, torch.Tensor) for v in state.values())
     if not tensors:
         found = (
@@ -173,7 +190,7 @@ def _torch_load(path: Path) -> dict[str, Any]:
             else f"keys {', '.join(map(str, list(state)[:5]))}"
         )
         raise UsageError(
-            f"{KEY} {path}: not a state dict of tensors ({found})",
+            f"{KEY} {path}: not a state dict of tensors ({clean(found)})",
             hint="Save the model's weights alone: torch.save(model.state_dict(), path), or "
             "train export a run's checkpoint.",
         )
@@ -230,7 +247,7 @@ def _loaded_line(source: WeightsSource, match: Match) -> str:
         f"{source.describe()}; step 0, a fresh optimizer and schedule"
     ]
     if match.skipped:
-        skipped = ", ".join(match.skipped)
+        skipped = clean(", ".join(match.skipped))
         lines.append(f"{KEY}: skipped {len(match.skipped)} entries that are not tensors: {skipped}")
     if match.problems:
         lines.append(

@@ -9,15 +9,16 @@ checkpoint) in the spec its workers read; the workers find the same files the sa
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from launcher.checkpoint.damage import newest_intact
 from launcher.checkpoint.format import damage
+from launcher.checkpoint.safetensors_header import NotSafetensors, shown, tensor_shapes
 from launcher.errors import UsageError
 from launcher.rundir.layout import checkpoint_in, run_of
+from launcher.rundir.reading import UnreadableJson, read_json
 
 KEY = "load.weights"
 # The files `train export` writes, by suffix, and what reads them.
@@ -25,8 +26,6 @@ FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin
 # A Hugging Face model folder (`save_pretrained`): one file, or shards named by an index.
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-# safetensors' own limit on the JSON header that lists a file's tensors.
-_HEADER_LIMIT = 100_000_000
 _ACCEPTED = (
     "Give a checkpoint folder (runs/NAME/STAMP/checkpoints/step-N), a run folder (its newest "
     "complete checkpoint), a .safetensors or .pt file (train export writes them), or a Hugging "
@@ -49,15 +48,17 @@ class WeightsSource:
 
 def find_weights(path: Path) -> WeightsSource:
     """The weights `path` names; a UsageError naming `load.weights` where it names none."""
-    if path.is_file():
+    if not path.exists():
+        raise UsageError(f"{KEY} {path}: no such file or folder", hint=_ACCEPTED)
+    if not path.is_dir():
         kind = FORMATS.get(path.suffix)
         if kind is None:
             raise UsageError(f"{KEY} {path}: not a file of known weights", hint=_ACCEPTED)
         if kind == "safetensors":
             safetensors_shapes(path)  # a file that is not one is refused here
+        elif not path.is_file():  # a FIFO would block the worker that opens it
+            raise UsageError(f"{KEY} {path}: not a regular file")
         return WeightsSource(path, "torch" if kind == "torch" else "safetensors", (path,))
-    if not path.is_dir():
-        raise UsageError(f"{KEY} {path}: no such file or folder", hint=_ACCEPTED)
     hugging_face = _hugging_face_folder(path)
     if hugging_face is not None:
         return hugging_face
@@ -89,69 +90,45 @@ def check_weights(path: Path) -> WeightsSource:
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     """{name: shape} of a safetensors file's tensors, from its header alone; a file that is not
-    a whole safetensors file is refused."""
-    header, held = _safetensors_header(path)
-    shapes, end = {}, 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            shapes[name] = [int(n) for n in entry["shape"]]
-            end = max(end, int(entry["data_offsets"][1]))
-        except (TypeError, KeyError, IndexError, ValueError):
-            raise UsageError(f"{KEY} {path}: not a safetensors file (entry {name!r})") from None
-    if end > held:
-        raise UsageError(
-            f"{KEY} {path}: truncated: its header places {end:,} bytes of tensors, it holds "
-            f"{held:,}"
-        )
-    return shapes
-
-
-def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """A safetensors file's header (a JSON object after its 8-byte length), and the bytes of
-    tensors after it."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8).ljust(8, b"\0"), "little")
-        if not 2 <= length <= min(_HEADER_LIMIT, size - 8):
-            raise UsageError(f"{KEY} {path}: not a safetensors file (no header)")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            header = None
-    if not isinstance(header, dict):
-        raise UsageError(f"{KEY} {path}: not a safetensors file (its header is not JSON)")
-    return header, size - 8 - length
+    a whole safetensors file (`launcher.checkpoint.safetensors_header`) is refused."""
+    try:
+        return tensor_shapes(path)
+    except NotSafetensors as exc:
+        raise UsageError(f"{KEY} {path}: {exc}") from None
 
 
 def _hugging_face_folder(folder: Path) -> WeightsSource | None:
     """A Hugging Face model folder's weights: the shards its index names, or its one file;
     None where the folder has neither."""
     index = folder / HF_INDEX
-    if index.is_file():
-        shards = tuple(folder / name for name in _shard_names(index))
+    shard_names = _shard_names(index)
+    if shard_names is not None:
+        shards = tuple(folder / name for name in shard_names)
         for shard in shards:
-            if not shard.is_file():
-                raise UsageError(f"{KEY} {index}: names {shard.name}, which is missing")
+            if not shard.exists():
+                raise UsageError(f"{KEY} {index}: names {shown(shard.name)}, which is missing")
             safetensors_shapes(shard)
         return WeightsSource(folder, "safetensors", shards)
     single = folder / HF_WEIGHTS
-    if single.is_file():
+    if single.exists():
         safetensors_shapes(single)
         return WeightsSource(folder, "safetensors", (single,))
     return None
 
 
-def _shard_names(index: Path) -> list[str]:
+def _shard_names(index: Path) -> list[str] | None:
+    """The shard files a Hugging Face index names; None where there is no index."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        weight_map = None
-    names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        found = read_json(index, "weights index")
+    except FileNotFoundError:
+        return None
+    except UnreadableJson as exc:
+        raise UsageError(f"{KEY} {index}: {exc.reason}") from None
+    weight_map = found.get("weight_map") if isinstance(found, dict) else None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else []
     plain = all(isinstance(n, str) and n == Path(n).name and n not in (".", "..") for n in names)
     if not names or not plain:
         raise UsageError(
             f"{KEY} {index}: expected a weight_map of tensor names to shard files in its folder"
         )
-    return sorted(names)
+    return sorted(set(names))

@@ -46,8 +46,10 @@ def export_command(
 
     def write_file() -> int:
         from launcher.checkpoint.export import export
+        from launcher.safe_text import clean
 
-        typer.echo(export(source, out, best=best, ema=ema).describe())
+        # Clean: it names the checkpoint's entries and its monitor, as its files spell them.
+        typer.echo(clean(export(source, out, best=best, ema=ema).describe()))
         return 0
 
     run_guarded(write_file, debug)

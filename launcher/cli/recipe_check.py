@@ -4,7 +4,9 @@
 `build_model` and `build_dataset` without calling them: every launch runs it. `dry_build`
 (`train validate`) calls them as a worker would: the datasets, one batch (collated by the
 recipe's `collate`, if it has one), the model on the meta device, and the recipe's `loss` on
-that model and batch, so a run fails here in seconds rather than in every rank later.
+that model and batch, so a run fails here in seconds rather than in every rank later; what
+depends on the model besides (`load.weights`, the optimizer, the tensor-parallel split) is
+`model_checks.py`'s.
 
 This module sits with the workers' code because it calls it (the recipe, the loader); like
 `export.py`, it runs in the launcher's process only.
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from launcher.cli.memory_check import estimate_line
+from launcher.cli.model_checks import (
+    meta_limit,
+    optimizer_builds,
+    tensor_parallel_split,
+    weights_fit,
+)
 from launcher.config.spec import RecipeSection, RunSpec
 from launcher.errors import UsageError
 from launcher.parallel.base import map_tensors
+from launcher.parallel.sharded_init import MetaBuildFailed, build_on_meta
 from launcher.parallel.tensor_parallel import check_plan
 from launcher.worker.data import (
     batch_size,
@@ -117,41 +125,52 @@ def _unknown(key: str, given: str, name: str, valid: list[str]) -> str:
 
 def dry_build(spec: RunSpec, origin: str = "") -> str:
     """Builds what a worker builds, without training: the train split and one batch of it,
-    the val split when the run evaluates, and the model on the meta device, and runs the
-    recipe's loss on that model and batch. Returns a summary (parameters, samples), and on a
+    the val split when the run evaluates, and the model on the meta device (where the run
+    builds it otherwise, for real); runs the recipe's loss on that model and batch, builds the
+    optimizer over its groups, and matches `load.weights` and the tensor-parallel split
+    against it (`launcher.cli.model_checks`). Returns a summary (parameters, samples), and on a
     second line the memory the layout needs per device; raises `UsageError` for what the run
     would fail on."""
     recipe = load_checked(spec, origin)
-    model, on_meta, model_part = _model_summary(recipe, spec.recipe.model)
+    model, on_meta, model_part = _model_summary(recipe, spec)
     grouping = group_parameters(spec.optim, model, recipe)  # a pattern that matches nothing
+    optimizer_builds(spec.optim, grouping)
     if grouping.custom:
         model_part += f" in {len(grouping.groups)} optimizer groups"
+    parts = [model_part]
+    if spec.load.weights is not None:
+        parts.append(weights_fit(spec.load, model))
     if spec.parallel.tp > 1:
         check_plan(model, recipe.parallelize_hook(), spec.parallel.tp)
     train_part, batch = _train_summary(recipe, spec)
-    parts = [model_part, train_part]
+    parts.append(train_part)
     if spec.eval.every_n_steps is not None:
         parts.append(_val_summary(recipe, spec))
     unchecked = _check_loss(recipe, model, batch) if on_meta else "the model was built on the CPU"
     if unchecked:
         parts.append(f"loss not checked ({unchecked})")
+    elif spec.parallel.tp > 1:
+        split_unchecked = tensor_parallel_split(recipe, spec, batch)
+        if split_unchecked:
+            parts.append(f"parallel.tp split not checked ({split_unchecked})")
     devices = spec.launch.devices if isinstance(spec.launch.devices, int) else 1
     return " · ".join(parts) + "\n" + estimate_line(spec, recipe, batch, devices)
 
 
-def _model_summary(recipe: Recipe, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, bool, str]:
-    """The model, whether it is on the meta device, and its line of the summary."""
+def _model_summary(recipe: Recipe, spec: RunSpec) -> tuple[torch.nn.Module, bool, str]:
+    """The model, whether it is on the meta device, and its line of the summary. A model the
+    meta device cannot build (a .item() in __init__) is built for real, as ddp and `fsdp.init:
+    auto` build it; `fsdp.init: meta` refuses it, as the run would."""
     try:
-        with torch.device("meta"):  # no memory for the weights, however large the model
-            model = recipe.build_model(**kwargs)
-        where = ""
-    except UsageError:
-        raise
-    except Exception as exc:
-        # Some models cannot be built on the meta device (a .item() in __init__); the real
-        # build tells whether the run would fail, as ddp builds for real.
-        model = _user_call("recipe: build_model()", recipe.build_model, **kwargs)
-        where = f" (built on the CPU: on the meta device it raised {type(exc).__name__})"
+        model, where = build_on_meta(lambda: recipe.build_model(**spec.recipe.model)), ""
+    except MetaBuildFailed as failed:
+        fsdp = spec.launch.strategy == "fsdp"
+        if fsdp and spec.fsdp.init == "meta":
+            raise
+        model = _user_call("recipe: build_model()", recipe.build_model, **spec.recipe.model)
+        where = f" (built on the CPU: {failed.reason}" + (
+            "; fsdp.init: auto builds it on CPU in every process)" if fsdp else ")"
+        )
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     counts = f"{_count(total)} parameters, {_count(trainable)} trainable"
@@ -222,7 +241,7 @@ def _check_loss(recipe: Recipe, model: torch.nn.Module, batch: Any) -> str | Non
     try:
         loss, _ = recipe.loss(model, meta_batch)
     except Exception as exc:
-        unchecked = _meta_limit(exc)
+        unchecked = meta_limit(exc)
         if unchecked:
             return unchecked
         raise UsageError(
@@ -232,18 +251,6 @@ def _check_loss(recipe: Recipe, model: torch.nn.Module, batch: Any) -> str | Non
         ) from None
     _check_loss_value(loss)
     return None
-
-
-def _meta_limit(exc: Exception) -> str | None:
-    """Why an op cannot run on the meta device, where that is what `exc` says (an op without
-    a meta kernel, or one that reads values: `.item()`, a boolean mask); None where `exc` is
-    the recipe's own error."""
-    text = str(exc)
-    if not isinstance(exc, NotImplementedError) and "meta" not in text:
-        return None
-    op = re.search(r"aten::\w+|torch\.\w+\(\)|Tensor\.\w+\(\)", text)
-    found = op.group(0) if op else text.splitlines()[0][:80] if text else type(exc).__name__
-    return f"it cannot run on the meta device: {found}"
 
 
 def _check_loss_value(loss: Any) -> None:

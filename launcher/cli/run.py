@@ -147,9 +147,11 @@ def run_command(
 def with_operator_devices(layers: SpecLayers, nodes: Nodes) -> SpecLayers:
     """The processes per node a Kubeflow job asks for (PET_NPROC_PER_NODE), as a layer over
     the YAML file: `launch.devices=` overrides and `--devices`, which come after it, win."""
+    from launcher.launch.kubernetes import NPROC_PER_NODE
+
     if nodes.devices is None:
         return layers
-    given = ("launch.devices", nodes.devices, f"PET_NPROC_PER_NODE ({nodes.source})")
+    given = ("launch.devices", nodes.devices, f"{NPROC_PER_NODE} ({nodes.source})")
     return dataclasses.replace(layers, given=(given, *layers.given))
 
 
@@ -171,14 +173,13 @@ def spec_given(layers: SpecLayers, resume: str | None) -> tuple[RunSpec, dict[st
             f"--resume {resume}: needs --config, whose run.name says which runs are this one's",
             hint="Or give the run's folder, or one of its checkpoints: --resume runs/NAME/STAMP",
         )
-    from launcher.checkpoint.format import read_meta
+    from launcher.checkpoint.format import recorded_spec
     from launcher.checkpoint.selection import ResumeRequest, resume_point
     from launcher.config.resume import spec_on_resume
 
     checkpoint = resume_point(ResumeRequest(resume, Path.cwd(), ""))
     assert checkpoint is not None
-    meta = read_meta(checkpoint)
-    resumed = spec_on_resume(meta["spec"], meta.get("config_file"), layers)
+    resumed = spec_on_resume(*recorded_spec(checkpoint), layers)
     return resumed.spec, resumed.sources
 
 

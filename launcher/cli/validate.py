@@ -64,9 +64,9 @@ def validate_command(
 
             typer.echo(explain_text(spec, sources))
         from launcher.cli.recipe_check import dry_build
-        from launcher.metrics.trackers import check_installed
+        from launcher.metrics.trackers import check_trackers_usable
 
-        check_installed(spec.log.trackers)
+        check_trackers_usable(spec.log.trackers)
         from launcher.launch.reaper import children_reaped
 
         with children_reaped():  # what the recipe starts as it is imported and built

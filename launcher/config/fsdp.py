@@ -29,8 +29,9 @@ class FSDPSection(Section):
         "initialise weights themselves (torchvision's ResNet), and rank 0 says so. `cpu`: "
         "every process builds the whole model on CPU as ddp does, then shards it: ddp's "
         "weights for any model, for the model's size in host memory per process (rank 0 "
-        "prints it). `auto`: `meta` where an explicit initialisation exists and writes every "
-        "parameter and buffer, else `cpu`.",
+        "prints it). `auto`: `meta` where the model can be built on the meta device (its "
+        "constructor reads no weight's value) and an explicit initialisation exists and writes "
+        "every parameter and buffer, else `cpu`, said in one line.",
     )
     reshard_after_forward: bool = Field(
         True,

@@ -188,7 +188,14 @@ def _absolute_path(key: str, value: Any, base: Path) -> Any:
         return value
     if key == "recipe.source" and not value.endswith(".py"):
         return value
-    return str((base / value).resolve())
+    try:
+        return str((base / value).resolve())
+    except (RuntimeError, OSError) as exc:  # a symbolic link loop (RuntimeError before 3.13)
+        raise UsageError(
+            f"{key} {echo(str(base / value))}: cannot follow it ({exc})",
+            hint="Point it at a real file or folder; one of its symbolic links leads back to "
+            "itself.",
+        ) from None
 
 
 def _absolutize_paths(raw: Any, base: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +53,11 @@ def _find_optimizer(name: str) -> type[torch.optim.Optimizer] | str:
     import torch
 
     if "." in name:
+        if not all(part.isidentifier() for part in name.split(".")):
+            return (
+                f"expected a torch.optim optimizer or a dotted path to one (such as "
+                f"torchao.optim.AdamW8bit), got {name!r}"
+            )
         module_name, _, attr = name.rpartition(".")
         # As for a recipe's module: workers run with `python -m`, which puts the working
         # directory on sys.path; the `train` console script must find what they will.
@@ -61,6 +67,8 @@ def _find_optimizer(name: str) -> type[torch.optim.Optimizer] | str:
             cls = getattr(importlib.import_module(module_name), attr, None)
         except ImportError as exc:
             return f"cannot import {module_name} ({exc}); install it, or fix the path"
+        except Exception as exc:  # the module's own code failed as it was imported
+            return f"cannot import {module_name}: it raised {type(exc).__name__}: {exc}"
         if cls is None:
             return f"{module_name} has no {attr}"
     else:
@@ -96,7 +104,10 @@ class OptimSection(Section):
         "(`torchao.optim.AdamW8bit`): installed, or a module in the working directory.",
     )
     lr: float = Field(
-        1e-3, ge=0, description="Peak learning rate (0 leaves the weights as they are)."
+        1e-3,
+        ge=0,
+        allow_inf_nan=False,
+        description="Peak learning rate (0 leaves the weights as they are).",
     )
     kwargs: dict[str, Any] = Field(
         {}, description="Other keyword arguments of the optimizer, e.g. `{weight_decay: 0.1}`."
@@ -151,8 +162,10 @@ class OptimSection(Section):
     @field_validator("kwargs")
     @classmethod
     def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        _check_values(kwargs, "")
         if kwargs and not _skip_torch_checks(info):
             _check_options(info.data.get("name", ""), kwargs, "", allow_lr=False)
+            _check_accepted(info.data.get("name", ""), info.data.get("lr", 1e-3), kwargs, "")
         return kwargs
 
     @field_validator("groups")
@@ -169,8 +182,13 @@ class OptimSection(Section):
                     "{params: ['*.bias'], weight_decay: 0.0}"
                 )
             options = {k: v for k, v in group.items() if k != "params"}
+            _check_values(options, where)
             if not _skip_torch_checks(info):
-                _check_options(info.data.get("name", ""), options, where, allow_lr=True)
+                name = info.data.get("name", "")
+                _check_options(name, options, where, allow_lr=True)
+                if "kwargs" in info.data:  # kwargs the optimizer refuses are refused on their own
+                    settings = {**info.data["kwargs"], **options}
+                    _check_accepted(name, info.data.get("lr", 1e-3), settings, where)
         return [
             {**g, "params": [g["params"]] if isinstance(g["params"], str) else g["params"]}
             for g in groups
@@ -189,6 +207,71 @@ class OptimSection(Section):
                 f"got {self.decay_steps}"
             )
         return self
+
+
+# Settings that must not be negative, in `optim.kwargs` and each of `optim.groups`, as `optim.lr`
+# must not: a negative rate climbs the loss, a negative decay grows the weights.
+NON_NEGATIVE = ("lr", "weight_decay")
+# Settings whose validity depends on the device the run has, not on a CPU stand-in.
+_DEVICE_CHOICES = ("fused", "foreach", "capturable")
+
+
+def _check_values(options: dict[str, Any], where: str) -> None:
+    """Numbers the optimizer could not use: NaN and infinity anywhere, negative rates."""
+    problem = bad_values(options)
+    if problem:
+        raise ValueError(f"{where}{problem}")
+
+
+def bad_values(options: dict[str, Any]) -> str | None:
+    """What is wrong with the values of optimizer settings `options` (a NaN or infinity, at
+    any depth, or a negative `lr` or `weight_decay`), by key; None where nothing is."""
+    for key, value in options.items():
+        found = _non_finite(value)
+        if found is not None:
+            return f"{key}: {found} is not a number an optimizer can use; give a finite one"
+        if key in NON_NEGATIVE and isinstance(value, int | float) and value < 0:
+            return f"{key}: must be 0 or more, got {value}"
+    return None
+
+
+def _non_finite(value: Any) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list | tuple):
+        inner = (_non_finite(item) for item in value)
+        return next((found for found in inner if found is not None), None)
+    if isinstance(value, dict):
+        return _non_finite(list(value.values()))
+    return None
+
+
+def _check_accepted(name: str, lr: float, settings: dict[str, Any], where: str) -> None:
+    problem = rejected_settings(name, lr, settings)
+    if problem:
+        raise ValueError(f"{where}{problem}")
+
+
+def rejected_settings(name: str, lr: float, settings: dict[str, Any]) -> str | None:
+    """Why the optimizer `name` refuses `settings` with the rate `lr` (its constructor's own
+    checks of its arguments, such as Adam's betas below 1, run over one stand-in parameter),
+    or None. What only a device can tell (`fused`) is left to the run."""
+    import torch
+
+    optimizer = _find_optimizer(name)
+    if isinstance(optimizer, str):
+        return None
+    kept = {k: v for k, v in settings.items() if k not in _DEVICE_CHOICES}
+    stand_in = torch.zeros(1, requires_grad=True)
+    try:
+        optimizer([stand_in], **{"lr": lr, **kept})
+    except (ValueError, TypeError) as exc:
+        return f"{optimizer.__name__} refuses {_settings_text(kept)}: {exc}"
+    return None
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in settings.items()) or "its defaults"
 
 
 def _check_options(name: str, options: dict[str, Any], where: str, allow_lr: bool) -> None:

@@ -26,10 +26,14 @@ StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
 Mode = Literal["min", "max"]
 
 
+# What a run's name may hold: it names folders, a SLURM job and a Kubernetes job.
+RUN_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
 class RunSection(Section):
     name: str = Field(
         "run",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        pattern=rf"^{RUN_NAME_PATTERN}$",
         # It names folders, the longest torchelastic's `<name>-<8 hex>_<8 random>`: a file
         # name holds 255 bytes.
         max_length=128,

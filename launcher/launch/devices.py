@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,33 +115,61 @@ def tpu_devices(pci_root: Path = Path("/sys/bus/pci/devices")) -> int:
     return count
 
 
-def resolve_devices(devices: int | str, accelerator: str, strategy: str) -> Devices:
+def cpu_device_limit() -> int:
+    """The most CPU "devices" a node may ask for: on CPU each one is a process (or one of
+    XLA's CPU devices) sharing the cores, so a few per core is plenty (8 on any machine, for
+    tests of an 8-rank layout on a laptop); more is a mistake that would start a process
+    bomb."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def resolve_devices(
+    devices: int | str, accelerator: str, strategy: str, named: str | None = None
+) -> Devices:
+    """This node's devices. `named`: how errors name the value and where it came from (e.g.
+    `launch.devices: 3 (run.yaml:12)`); `--devices N` by default."""
+    named = named or f"--devices {devices}"
     if accelerator == "tpu":
-        return _xla_devices(devices, strategy)
+        return _xla_devices(devices, strategy, named)
     if accelerator == "gpu":
         visible = torch.cuda.device_count()
         if devices != "auto" and int(devices) > visible:
             raise UsageError(
-                f"--devices {devices}: only {visible} GPU(s) visible on this machine",
-                hint="Lower --devices, or check CUDA_VISIBLE_DEVICES.",
+                f"{named}: only {visible} GPU(s) visible on this machine",
+                hint="Lower it, or check CUDA_VISIBLE_DEVICES.",
             )
         n = visible if devices == "auto" else int(devices)
         return Devices(n, n, n)
     # On CPU every process is a replica sharing the cores; `auto` keeps to one.
     n = 1 if devices == "auto" else int(devices)
+    _check_cpu_count(n, named)
     return Devices(n, n, n)
 
 
-def _xla_devices(devices: int | str, strategy: str) -> Devices:
+def _check_cpu_count(n: int, named: str) -> None:
+    limit = cpu_device_limit()
+    if n > limit:
+        raise UsageError(
+            f"{named}: {n:,} devices on CPU cannot be meant; the limit is 4 per core, and "
+            f"at least 8: {limit} on this machine's {os.cpu_count()} core(s)",
+            hint=f"Set it to {limit} or fewer; every CPU process shares the same cores.",
+        )
+
+
+def _xla_devices(devices: int | str, strategy: str, named: str) -> Devices:
     spawn = STRATEGIES[strategy].processes == "xla_spawn"
     kind = xla_device_type()
     if kind == "CPU":
         # XLA's CPU client makes CPU_NUM_DEVICES devices in one process.
-        default = int(os.environ.get("CPU_NUM_DEVICES", "1"))
-        n = default if devices == "auto" else int(devices)
+        if devices == "auto":
+            named = f"CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES', '1')}"
+            n = _cpu_num_devices(named)
+        else:
+            n = int(devices)
+        _check_cpu_count(n, named)
         if spawn and n > 1:
             raise UsageError(
-                f"--devices {n}: strategy xla on XLA's CPU devices can only use 1. There, "
+                f"{named}: strategy xla on XLA's CPU devices can only use 1. There, "
                 "torch_xla's spawn runs the replicas as threads of one process, and their "
                 "collectives hang (an upstream torch_xla bug)",
                 hint="Use --devices 1, or --strategy xla_spmd / xla_fsdp, which run on "
@@ -158,11 +187,21 @@ def _xla_devices(devices: int | str, strategy: str) -> Devices:
         return Devices(n, 1, n if spawn else 1, spawn_all=spawn and n > 1)
     if spawn:
         raise UsageError(
-            f"--devices {n}: torch_xla's spawn starts either 1 replica or one per TPU device, "
+            f"{named}: torch_xla's spawn starts either 1 replica or one per TPU device, "
             f"and this machine has {available}",
             hint=f"Use --devices 1, or --devices {available} (or auto).",
         )
     raise UsageError(
-        f"--devices {n}: strategy {strategy} drives every TPU device of the host ({available})",
+        f"{named}: strategy {strategy} drives every TPU device of the host ({available})",
         hint="Use --devices auto.",
     )
+
+
+def _cpu_num_devices(named: str) -> int:
+    text = os.environ.get("CPU_NUM_DEVICES", "1")
+    if not re.fullmatch(r"[0-9]{1,9}", text) or int(text) < 1:
+        raise UsageError(
+            f"{named}: expected a positive number of XLA CPU devices",
+            hint="Set CPU_NUM_DEVICES=N, or give --devices N.",
+        )
+    return int(text)

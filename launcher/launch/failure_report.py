@@ -25,6 +25,7 @@ from launcher.launch.root_cause import root_cause
 from launcher.launch.watchdog import Stall, describe
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.rundir.reading import read_log_tail
+from launcher.safe_text import clean
 
 _SIGNALS = {
     signal.SIGKILL: "killed (SIGKILL): most often the kernel's out-of-memory killer; "
@@ -111,10 +112,10 @@ def last_words(log: str, max_error_lines: int = 8) -> str | None:
 def failure_panel(
     rank: int, host: str, code: int, log_file: Path, tail: int = 12, max_traceback: int = 16
 ) -> Panel:
-    log = read_log_tail(log_file)
+    log = clean(read_log_tail(log_file))  # a rank's words, as on the live display
     parts: list[Text] = [
         Text.assemble(("how: ", "bold"), describe_exit(code)),
-        Text.assemble(("log: ", "bold"), str(log_file)),
+        Text.assemble(("log: ", "bold"), clean(str(log_file))),
     ]
     detail = last_words(log)
     if detail and detail.count("\n") > max_traceback:  # the innermost frames say the most

@@ -15,6 +15,10 @@ from typing import Any, Literal
 
 import yaml
 
+from launcher.config.spec import RUN_NAME_PATTERN
+from launcher.config.yaml_file import echo
+from launcher.errors import UsageError
+
 Kind = Literal["pytorchjob", "jobset"]
 DEFAULT_GRACE_PERIOD_S = 300
 DEFAULT_BACKOFF_LIMIT = 10
@@ -23,9 +27,11 @@ PYTORCHJOB_PORT = 23456  # the training operator's default port, named pytorchjo
 _NOT_IN_NAME = re.compile(r"[^a-z0-9-]+")
 _CONTROLLER = {"pytorchjob": "Kubeflow's training operator", "jobset": "the JobSet controller"}
 
+# The header's comments hold fixed text and values checked to a safe set of characters only
+# (`_in_comment`): a comment is text, and a newline in it would start a document of its own.
 _HEADER = """\
-# {what} for run {run}: {nodes} node(s) x {gpus} GPU(s), written by `train k8s`.
-# Apply it with:  kubectl apply -f {file}
+# {what} for run {run}: {nodes:d} node(s) x {gpus:d} GPU(s), written by `train k8s`.
+# Apply it with:  kubectl apply -f {name}.yaml
 # ({needs} must run in the cluster).
 #
 # The run folder is {folder}/{run}/{name} on the PersistentVolumeClaim {pvc}.
@@ -35,9 +41,27 @@ _HEADER = """\
 # The image must hold `train` and the recipe, and the config must be at {config} (in the
 # image, or on a volume mounted there): the command reads it there.
 # On SIGTERM (a pod deleted or preempted) every rank finishes its step and saves within the
-# grace period ({grace} s), train exits with 143, and the job restarts its pods (up to
-# {restarts} times); they continue the run from its newest checkpoint (--resume latest).
+# grace period ({grace:d} s), train exits with 143, and the job restarts its pods (up to
+# {restarts:d} times); they continue the run from its newest checkpoint (--resume latest).
 """
+
+# What Kubernetes takes (k8s.io/apimachinery's validation): a claim's name is a DNS-1123
+# subdomain; a PyTorchJob's or JobSet's name a DNS-1035 label (it starts pods' host names).
+_DNS_1123_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_DNS_1123_SUBDOMAIN = re.compile(rf"{_DNS_1123_LABEL}(?:\.{_DNS_1123_LABEL})*")
+_DNS_1035_LABEL = re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?")
+# An image reference, as github.com/distribution/reference parses one: [host[:port]/]path
+# [:tag][@digest].
+_HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_HOST = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+_IMAGE = re.compile(
+    rf"(?:{_HOST}/)?{_PATH_PART}(?:/{_PATH_PART})*(?::\w[\w.-]{{0,127}})?(?:@{_DIGEST})?",
+    re.ASCII,
+)
+_RUN_NAME = re.compile(RUN_NAME_PATTERN)
+_SAFE_IN_COMMENT = re.compile(r"[A-Za-z0-9._/+=@:,~-]+", re.ASCII)
 
 
 def manifest(
@@ -55,22 +79,15 @@ def manifest(
     extra_args: list[str] | None = None,
 ) -> str:
     """The manifest's YAML text: comments that say how to apply it, then the volume's claim
-    (unless `pvc` names an existing one) and the job."""
+    (unless `pvc` names an existing one) and the job. Every value is data for the YAML
+    writer; those Kubernetes restricts are checked first (`UsageError`, naming the flag or
+    key)."""
+    _check_inputs(image, run_name, output_dir, pvc)
     name = job_name(run_name)
     mount = output_dir if PurePosixPath(output_dir).is_absolute() else RUNS_MOUNT
-    args = ["--accelerator", "gpu", "--devices", str(gpus_per_node), "--resume", "latest"]
-    if mount != output_dir:  # a relative output_dir would be relative to the image's folder
-        args.append(f"run.output_dir={mount}")
     claim = pvc or f"{name}-runs"
-    pod = _pod(
-        ["train", "--config", config, *args, *(extra_args or [])],
-        image,
-        gpus_per_node,
-        claim,
-        mount,
-        grace_period,
-        kind,
-    )
+    command = _command(config, gpus_per_node, output_dir, mount, extra_args or [])
+    pod = _pod(command, image, gpus_per_node, claim, mount, grace_period, kind)
     job = (
         _pytorchjob(name, nodes, pod, backoff_limit)
         if kind == "pytorchjob"
@@ -82,16 +99,62 @@ def manifest(
         run=run_name,
         nodes=nodes,
         gpus=gpus_per_node,
-        file=f"{name}.yaml",
         needs=_CONTROLLER[kind],
         name=name,
-        folder=mount,
+        folder=_in_comment(mount, "run.output_dir"),
         pvc=claim,
-        config=config if config.isprintable() else repr(config),  # a comment stays one line
+        config=_in_comment(config, "the path the command gives"),
         grace=grace_period,
         restarts=backoff_limit,
     )
     return header + yaml.safe_dump_all(documents, sort_keys=False, explicit_start=True)
+
+
+def _command(
+    config: str, gpus_per_node: int, output_dir: str, mount: str, extra_args: list[str]
+) -> list[str]:
+    """Every pod's command, as a list: the YAML writer quotes each argument as it must."""
+    args = ["--accelerator", "gpu", "--devices", str(gpus_per_node), "--resume", "latest"]
+    if mount != output_dir:  # a relative output_dir would be relative to the image's folder
+        args.append(f"run.output_dir={mount}")
+    return ["train", "--config", config, *args, *extra_args]
+
+
+def _check_inputs(image: str, run_name: str, output_dir: str, pvc: str | None) -> None:
+    """What Kubernetes (or a pod's command line) cannot take, refused by the flag or key that
+    gave it."""
+    if pvc is not None and not (len(pvc) <= 253 and _DNS_1123_SUBDOMAIN.fullmatch(pvc)):
+        raise UsageError(
+            f"--pvc {echo(pvc)}: not a PersistentVolumeClaim name; Kubernetes takes lower-case "
+            "letters, digits, '-' and '.' (a DNS-1123 subdomain: at most 253 characters, "
+            "starting and ending with a letter or digit)",
+            hint="Give the claim's name as `kubectl get pvc` lists it.",
+        )
+    if not (len(image) <= 255 and _IMAGE.fullmatch(image)):
+        raise UsageError(
+            f"--image {echo(image)}: not a container image reference, "
+            "[REGISTRY[:PORT]/]PATH[:TAG][@DIGEST] (lower-case path, no spaces or control "
+            "characters)",
+            hint="e.g. --image ghcr.io/lab/train:1",
+        )
+    if not _RUN_NAME.fullmatch(run_name):  # the spec refuses it too; this is what names the job
+        raise UsageError(
+            f"run.name {echo(run_name)}: the job is named after it, so use letters, digits, '.', "
+            "'_' and '-', starting with a letter or digit"
+        )
+    if PurePosixPath(output_dir).is_absolute() and not output_dir.isprintable():
+        raise UsageError(
+            f"run.output_dir {echo(output_dir)}: it is the volume's mountPath in every pod, which "
+            "cannot hold a newline or another control character",
+            hint="Give an absolute path of printable characters, or a relative one (the "
+            f"volume then goes at {RUNS_MOUNT}).",
+        )
+
+
+def _in_comment(value: str, otherwise: str) -> str:
+    """`value` where it is plain enough for a comment line (letters, digits and path
+    punctuation), else a fixed description of it: no value can end the comment."""
+    return value if _SAFE_IN_COMMENT.fullmatch(value) else f"<{otherwise}>"
 
 
 def job_name(run_name: str) -> str:
@@ -100,7 +163,9 @@ def job_name(run_name: str) -> str:
     name = _NOT_IN_NAME.sub("-", run_name.lower()).strip("-")
     if not name[:1].isalpha():
         name = f"run-{name}".rstrip("-")
-    return name[:40].rstrip("-")
+    name = name[:40].rstrip("-")
+    assert _DNS_1035_LABEL.fullmatch(name), name  # what PyTorchJob and JobSet names must be
+    return name
 
 
 def _claim(name: str) -> dict[str, Any]:

@@ -17,20 +17,27 @@ its run and `--resume latest` continues it.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
 
 DEFAULT_PORT = 29500  # JobSets and SkyPilot give no port: torchrun's usual one
+NPROC_PER_NODE = "PET_NPROC_PER_NODE"  # torchrun's processes per node, where a job sets it
 # PyTorchJob pods are `<job>-master-0` and `<job>-worker-N`; MASTER_ADDR is `<job>-master-0`.
 _PYTORCHJOB_POD = re.compile(r"^(?P<job>[a-z0-9][a-z0-9-]*)-(master|worker)-\d+$")
 # TrainJob's PET_MASTER_ADDR is `<job>-node-0-0.<job>` (`<job>-trainer-node-0-0` before v2.0).
 _TRAINJOB_MASTER = re.compile(r"^(?P<job>[a-z0-9-]+)-(trainer-)?node-0-0\.(?P=job)(\.|$)")
 _INDEXED_POD = re.compile(r"^(?P<job>[a-z0-9][a-z0-9-]*)-(?P<index>\d+)$")
 _NOT_IN_JOB_ID = re.compile(r"[^A-Za-z0-9._-]+")
+_NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII digits, few enough for int() ("²" is a digit too)
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?")  # or an IPv4 address
+# torchrun's --nproc-per-node words: leave the count to `--devices`.
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,14 @@ def _kubeflow(env: Mapping[str, str]) -> JobNodes | None:
     for nnodes, rank, master, port in _KUBEFLOW_KEYS:
         if all(env.get(key) for key in (nnodes, rank, master, port)):
             kind, job = _kubeflow_job(env[master], env.get("HOSTNAME", ""))
+            count = _node_count(env, nnodes, elastic=nnodes == "PET_NNODES")
             return JobNodes(
-                nnodes=env[nnodes],
-                node_rank=_number(env, rank),
-                endpoint=f"{env[master]}:{env[port]}",
+                nnodes=count,
+                node_rank=_node_rank(env, rank, count, nnodes),
+                endpoint=f"{_host(master, env[master])}:{_port(env, port)}",
                 job_id=job,
                 source=f"Kubeflow {kind} {job}" if job else f"{master}, {nnodes} and {rank}",
-                devices=_devices(env.get("PET_NPROC_PER_NODE", "")),
+                devices=_devices(env),
             )
     return None
 
@@ -107,11 +115,12 @@ def _indexed_job(env: Mapping[str, str], fqdn: Callable[[], str]) -> JobNodes | 
             hint="Give the rendezvous yourself: --rdzv-endpoint HOST:PORT --rdzv-id NAME.",
         )
     # Pod 0's stable name under the same headless service: `<job>-0.<subdomain>...`.
-    port = env.get("MASTER_PORT") or str(DEFAULT_PORT)
+    port = _port(env, "MASTER_PORT")
     jobset = env.get("JOBSET_NAME")
+    count = _node_count(env, "PET_NNODES", elastic=True) if env.get("PET_NNODES") else None
     return JobNodes(
-        nnodes=env.get("PET_NNODES") or None,
-        node_rank=_number(env, "JOB_COMPLETION_INDEX"),
+        nnodes=count,
+        node_rank=_node_rank(env, "JOB_COMPLETION_INDEX", count, "PET_NNODES"),
         endpoint=f"{pod['job']}-0{dot}{domain}:{port}",
         job_id=jobset or pod["job"],
         source=f"JobSet {jobset}" if jobset else f"Indexed Job {pod['job']}",
@@ -122,24 +131,78 @@ def _skypilot(env: Mapping[str, str]) -> JobNodes | None:
     keys = ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS")
     if not all(env.get(key) for key in keys):
         return None
-    head = env["SKYPILOT_NODE_IPS"].split()[0]  # one IP a line; the first is the head node
+    # One IP a line; the first is the head node.
+    head = _host("SKYPILOT_NODE_IPS", env["SKYPILOT_NODE_IPS"], first_line=True)
     # A managed job keeps its task id across recoveries: it names the run folder.
     task = _NOT_IN_JOB_ID.sub("-", env.get("SKYPILOT_TASK_ID", "")).strip("-._")[:100] or None
+    count = _node_count(env, "SKYPILOT_NUM_NODES", elastic=False)
     return JobNodes(
-        nnodes=env["SKYPILOT_NUM_NODES"],
-        node_rank=_number(env, "SKYPILOT_NODE_RANK"),
-        endpoint=f"{head}:{env.get('MASTER_PORT') or DEFAULT_PORT}",
+        nnodes=count,
+        node_rank=_node_rank(env, "SKYPILOT_NODE_RANK", count, "SKYPILOT_NUM_NODES"),
+        endpoint=f"{head}:{_port(env, 'MASTER_PORT')}",
         job_id=task,
         source=f"SkyPilot task {task}" if task else "SkyPilot",
     )
 
 
-def _number(env: Mapping[str, str], key: str) -> int:
-    if not env[key].isdigit():
-        raise UsageError(f"{key}={env[key]!r}: expected a node rank, 0 or more")
-    return int(env[key])
+# The operators set these; a value that is not what they set (a typo in a pod's env, a
+# variable left blank) is refused by its name, never left to crash or to pass for a flag's.
 
 
-def _devices(text: str) -> int | None:
+def _node_count(env: Mapping[str, str], key: str, *, elastic: bool) -> str:
+    """N, or (torchrun's PET_NNODES) MIN:MAX."""
+    text = env[key]
+    parts = text.split(":") if elastic else [text]
+    if len(parts) > 2 or not all(_NUMBER.fullmatch(p) and int(p) > 0 for p in parts):
+        form = "N or MIN:MAX" if elastic else "N"
+        raise UsageError(f"{key}={echo(text)}: expected the job's node count, {form}, 1 or more")
+    return text
+
+
+def _node_rank(env: Mapping[str, str], key: str, count: str | None, count_key: str) -> int:
+    text = env[key]
+    top = int(count.split(":")[-1]) if count is not None else None
+    if not _NUMBER.fullmatch(text) or (top is not None and int(text) >= top):
+        within = f" and below {count_key}={count}" if top is not None else ""
+        raise UsageError(f"{key}={echo(text)}: expected this node's rank: 0 or more{within}")
+    return int(text)
+
+
+def _port(env: Mapping[str, str], key: str) -> str:
+    text = env.get(key) or str(DEFAULT_PORT)
+    if not (_NUMBER.fullmatch(text) and 0 < int(text) < 65536):
+        raise UsageError(f"{key}={echo(text)}: expected the rendezvous port, 1 to 65535")
+    return text
+
+
+def _host(key: str, value: str, first_line: bool = False) -> str:
+    """The rendezvous host variable `key` gives (SKYPILOT_NODE_IPS: on its first line)."""
+    host = (value.split() or [""])[0] if first_line else value
+    if not (_HOST_NAME.fullmatch(host) or _is_ip(host)):
+        where = "on its first line, " if first_line else ""
+        raise UsageError(
+            f"{key}={echo(value)}: expected {where}the rendezvous node's address (a host name "
+            "or an IP address)"
+        )
+    return host
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _devices(env: Mapping[str, str]) -> int | None:
     """PET_NPROC_PER_NODE as a count: `auto`, `gpu` and `cpu` leave it to `--devices`."""
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    text = env.get(NPROC_PER_NODE, "")
+    if not text or text in _NPROC_WORDS:
+        return None
+    if not (_NUMBER.fullmatch(text) and int(text) > 0):
+        raise UsageError(
+            f"{NPROC_PER_NODE}={echo(text)}: expected the processes per node, 1 or more, or "
+            f"one of {', '.join(_NPROC_WORDS)}"
+        )
+    return int(text)

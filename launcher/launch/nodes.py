@@ -14,6 +14,7 @@ from launcher.launch import kubernetes, slurm
 from launcher.launch.kubernetes import JobNodes
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII digits, few enough for int() ("²" is a digit too)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _parse_nnodes(text: str) -> tuple[int, int]:
 
 
 def _parse_node_rank(text: str, nnodes: int) -> int:
-    if not text.isdigit() or int(text) >= nnodes:
+    if not _NUMBER.fullmatch(text) or int(text) >= nnodes:
         raise UsageError(
             f"--node-rank {text}: expected 0 to {nnodes - 1}, this node's place among "
             f"{nnodes} nodes (node 0 hosts the rendezvous)"
@@ -168,7 +169,7 @@ def _parse_node_rank(text: str, nnodes: int) -> int:
 
 def _check_endpoint(endpoint: str) -> None:
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not _NUMBER.fullmatch(port) or not 0 < int(port) < 65536:
         raise UsageError(
             f"--rdzv-endpoint {endpoint}: expected HOST:PORT, e.g. node01:29500 (node 0's "
             "address and a free port there)"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.checkpoint.damage import refuse_damaged
-from launcher.checkpoint.format import read_meta
+from launcher.checkpoint.format import read_meta, recorded_spec
 from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.checkpoint.weights_source import check_weights
 from launcher.config.loader import SpecLayers
@@ -21,13 +21,15 @@ from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch import folder_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
+from launcher.launch.kubernetes import NPROC_PER_NODE
 from launcher.launch.nodes import Nodes
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.tpu_pod import host_index
-from launcher.metrics.trackers import check_installed
+from launcher.metrics.trackers import check_trackers_usable
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import UnreadableJson
 from launcher.rundir.worker_plan import WorkerPlan
 
 
@@ -163,7 +165,7 @@ def make_plan(
         )
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
-    devices = _checked_devices(spec, accelerator, nodes)
+    devices = _checked_devices(spec, accelerator, nodes, sources or {})
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
     sources = _with_resolved(sources or {}, spec, resolved)
     spec = resolved
@@ -195,8 +197,7 @@ def _resumed(resume_from: Path, layers: SpecLayers) -> ResumedSpec:
     """The spec of a resumed run: the checkpoint's own, with what the user changes now; a
     change no resume can take is refused."""
     refuse_damaged(resume_from)  # before anything is read from it
-    meta = read_meta(resume_from)
-    resumed = spec_on_resume(meta["spec"], meta.get("config_file"), layers)
+    resumed = spec_on_resume(*recorded_spec(resume_from), layers)
     for change in resumed.changes:
         if change.key == "recipe.source" and _another_recipe(change.before, change.after):
             raise UsageError(
@@ -247,7 +248,7 @@ def _check_steps_left(spec: RunSpec, resume_from: Path) -> None:
     refused before anything starts."""
     try:
         step = read_meta(resume_from).get("step")
-    except (OSError, ValueError):  # a damaged meta.json: the damage check names it
+    except (OSError, ValueError, UnreadableJson):  # damaged: the damage check names it
         return
     end = spec.train.max_steps
     if isinstance(step, int) and end is not None and end <= step:
@@ -261,7 +262,7 @@ def _check_steps_left(spec: RunSpec, resume_from: Path) -> None:
 def _check_options(spec: RunSpec, accelerator: str) -> None:
     """Options that the resolved accelerator, the strategy or this environment cannot
     honour."""
-    check_installed(spec.log.trackers)
+    check_trackers_usable(spec.log.trackers)
     if spec.launch.strategy == "fsdp" and spec.fsdp.cpu_offload and accelerator != "gpu":
         raise UsageError(
             "fsdp.cpu_offload: moves shards from GPU memory to CPU memory, so it needs "
@@ -281,15 +282,29 @@ def _check_options(spec: RunSpec, accelerator: str) -> None:
         )
 
 
-def _checked_devices(spec: RunSpec, accelerator: str, nodes: Nodes) -> Devices:
+def _checked_devices(
+    spec: RunSpec, accelerator: str, nodes: Nodes, sources: dict[str, str]
+) -> Devices:
     """This node's devices, with the `parallel` degrees checked against every world the run
     may have (an elastic run's least and most nodes) before anything starts; the workers
     resolve them again on the world they get."""
-    devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy)
+    named = _devices_named(spec.launch.devices, sources.get("launch.devices"))
+    devices = resolve_devices(spec.launch.devices, accelerator, spec.launch.strategy, named)
     for count in sorted({nodes.min, nodes.max}):
         per_node = devices.processes
         resolve_dims(spec.parallel, spec.launch.strategy, per_node * count, per_node)
     return devices
+
+
+def _devices_named(devices: int | str, source: str | None) -> str:
+    """How an error names `launch.devices`, by what set it: the flag, Kubeflow's
+    PET_NPROC_PER_NODE, or the key (in the YAML file, or an override)."""
+    source = (source or "").split(" (over ")[0]  # what set it, not what it overrode
+    if not source or source == "--devices":
+        return f"--devices {devices}"
+    if source.startswith(NPROC_PER_NODE):  # "PET_NPROC_PER_NODE (Kubeflow PyTorchJob x)"
+        return f"{NPROC_PER_NODE}={devices}{source.removeprefix(NPROC_PER_NODE)}"
+    return f"launch.devices: {devices} ({source})"
 
 
 def _resolved(spec: RunSpec, accelerator: str, devices: Devices) -> tuple[RunSpec, tuple[str, ...]]:
@@ -346,7 +361,8 @@ def _run_and_resume(
 def _omp_threads(accelerator: str, nproc: int) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         value = os.environ["OMP_NUM_THREADS"]
-        if not value.isdigit() or int(value) < 1:
+        # ASCII digits alone: "²" is a digit to str.isdigit, and int() refuses it.
+        if not (value.isascii() and value.isdigit() and len(value) < 7) or int(value) < 1:
             raise UsageError(f"OMP_NUM_THREADS={value!r}: expected a positive number, or unset it")
         return int(value)
     if accelerator == "cpu":

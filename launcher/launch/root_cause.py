@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 from pathlib import Path
 from typing import Any
 
 from launcher.rundir.layout import RunLayout
-from launcher.rundir.reading import read_head
+from launcher.rundir.reading import read_json_or_none
 
 
 def root_cause(failures: dict[int, Any], run_dir: Path | None = None) -> tuple[int, Any]:
@@ -55,7 +54,7 @@ def failure_times(run_dir: Path) -> dict[int, tuple[float, int]]:
     """{rank: (when it failed, its pid)} from the records failed workers left."""
     times: dict[int, tuple[float, int]] = {}
     for path in RunLayout(run_dir).failures():
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            record = json.loads(read_head(path, 1 << 16) or b"")
+        record = read_json_or_none(path, "record")
+        with contextlib.suppress(ValueError, KeyError, TypeError, OverflowError):
             times[int(record["rank"])] = (float(record["failed_at"]), int(record["pid"]))
     return times

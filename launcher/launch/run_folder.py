@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from launcher.checkpoint.damage import refuse_damaged
+from launcher.checkpoint.pruning import finish_cut_short
 from launcher.config.loader import spec_to_yaml
 from launcher.config.sources import annotate_yaml
 from launcher.errors import UsageError
@@ -33,6 +35,8 @@ def prepare_run_dir(plan: LaunchPlan) -> run_lock.RunLock:
     try:
         if plan.writes_shared_files:
             folder_choice.check_unchanged(plan.run_dir, plan.resume_from, plan.nodes.job_id)
+            if freed := finish_cut_short(plan.layout, lock):
+                print(f"note: {freed}", file=sys.stderr, flush=True)
         _write_files(plan)
     except BaseException:
         lock.release()

@@ -11,10 +11,13 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from launcher.config.spec import RUN_NAME_PATTERN
+from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
 
 DEFAULT_PORT = 29500
 _BRACKET = re.compile(r"\[([^\]]+)\]")
+_MOST_HOSTS = 100_000  # a range past this is a typo, not a cluster
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -51,8 +54,12 @@ def _expand_one(name: str) -> list[str]:
         if not high:
             numbers = [low]
         else:
+            if not (low.isdecimal() and high.isdecimal() and len(low + high) <= 12):
+                raise ValueError(f"not a range of numbers: {item!r} in host list")
             if int(high) < int(low):
                 raise ValueError(f"descending range {item!r} in host list")
+            if int(high) - int(low) >= _MOST_HOSTS:
+                raise ValueError(f"range {item!r} in host list: more than {_MOST_HOSTS} hosts")
             numbers = [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
         for number in numbers:
             out += _expand_one(head + number + tail)
@@ -63,7 +70,9 @@ def check_one_task_per_node(env: Mapping[str, str]) -> None:
     """`train` starts a process per device itself: several SLURM tasks on one node would each
     start them all, on the same devices."""
     layout = env.get("SLURM_STEP_TASKS_PER_NODE") or ""
-    counts = [int(part.split("(")[0]) for part in layout.split(",") if part[:1].isdigit()]
+    # `2(x3),1`: each part's count, its leading digits.
+    leading = (re.match(r"[0-9]{1,9}", part) for part in layout.split(","))
+    counts = [int(match[0]) for match in leading if match]
     if any(count > 1 for count in counts):
         raise UsageError(
             f"SLURM runs {max(counts)} tasks on a node (SLURM_STEP_TASKS_PER_NODE={layout}); "
@@ -92,13 +101,24 @@ def from_environment(env: Mapping[str, str]) -> SlurmNodes | None:
     nodelist = env.get("SLURM_STEP_NODELIST")
     if not job or not nodelist or "SLURM_STEP_ID" not in env or "SLURM_NODEID" not in env:
         return None
-    hosts = expand_hostlist(nodelist)
+    try:
+        hosts = expand_hostlist(nodelist)
+    except ValueError as exc:
+        raise UsageError(f"SLURM_STEP_NODELIST={echo(nodelist)}: {exc}") from None
     # The step's nodes, not the allocation's: `srun -N2` may run in a 4-node allocation.
-    nnodes = int(env.get("SLURM_STEP_NUM_NODES") or len(hosts))
+    nnodes = _number(env, "SLURM_STEP_NUM_NODES") if env.get("SLURM_STEP_NUM_NODES") else len(hosts)
     # A fixed port per job: every node computes the same one, and two jobs sharing a first
     # node do not collide. MASTER_PORT, when set, wins.
-    port = int(env.get("MASTER_PORT") or DEFAULT_PORT + int(job) % 1000)
-    return SlurmNodes(nnodes, int(env["SLURM_NODEID"]), hosts[0], port, job)
+    default_port = DEFAULT_PORT + _number(env, "SLURM_JOB_ID") % 1000
+    port = _number(env, "MASTER_PORT") if env.get("MASTER_PORT") else default_port
+    return SlurmNodes(nnodes, _number(env, "SLURM_NODEID"), hosts[0], port, job)
+
+
+def _number(env: Mapping[str, str], key: str) -> int:
+    """A number SLURM sets (or MASTER_PORT): anything else is refused by its name."""
+    if not re.fullmatch(r"[0-9]{1,9}", env[key]):
+        raise UsageError(f"{key}={echo(env[key])}: expected a number, as SLURM sets it")
+    return int(env[key])
 
 
 _SCRIPT = """#!/bin/bash
@@ -133,14 +153,49 @@ exit "$code"
 # there: a newline in one would end the directives and run the rest as a command.
 _NAMES = re.compile(r"[A-Za-z0-9_.,+-]+")  # partitions and accounts, comma lists of them
 _TIME = re.compile(r"[0-9:-]+|UNLIMITED|INFINITE|unlimited|infinite")
+_RUN_NAME = re.compile(RUN_NAME_PATTERN)
+_AS_SLURM_NAMES_IT = "Give {flag} as SLURM names it, e.g. from `sinfo` or `sacctmgr show assoc`."
 
 
-def _check_directive(flag: str, value: str | None, allowed: re.Pattern[str], form: str) -> None:
+def _check_directive(
+    flag: str, value: str | None, allowed: re.Pattern[str], form: str, hint: str = ""
+) -> None:
     if value is not None and not allowed.fullmatch(value):
         raise UsageError(
-            f"{flag} {value!r}: not a value an #SBATCH line can hold ({form})",
-            hint=f"Give {flag} as SLURM names it, e.g. from `sinfo` or `sacctmgr show assoc`.",
+            f"{flag} {echo(value)}: not a value an #SBATCH line can hold ({form})",
+            hint=hint or _AS_SLURM_NAMES_IT.format(flag=flag),
         )
+
+
+def _check_values(
+    config: str,
+    name: str,
+    partition: str | None,
+    time: str | None,
+    account: str | None,
+    extra_args: list[str],
+) -> None:
+    """Every value the script holds that comes from the user, by the flag or key it came from."""
+    _check_command_line(config, extra_args)
+    # The spec refuses any other run.name too; here it becomes the job's name.
+    form = "letters, digits and _ . - only"
+    _check_directive("run.name", name, _RUN_NAME, form, hint="Rename the run.")
+    _check_directive("--partition", partition, _NAMES, "letters, digits and _ . - , only")
+    _check_directive("--account", account, _NAMES, "letters, digits and _ . - , only")
+    _check_directive("--time", time, _TIME, "e.g. 24:00:00, 2-00:00:00 or UNLIMITED")
+
+
+def _check_command_line(config: str, extra_args: list[str]) -> None:
+    """Every argument is shell-quoted, which keeps it one word, but a line break inside the
+    quotes would still split the script's command over lines (and anything reading the
+    script by lines, sbatch included, would see a line of its own): refused."""
+    for label, value in [("--config", config), *(("override", arg) for arg in extra_args)]:
+        if not value.isprintable():
+            raise UsageError(
+                f"{label} {echo(value)}: a newline or control character cannot be written into "
+                "the batch script's command line",
+                hint="Rename the file, or write the value on one line of printable characters.",
+            )
 
 
 def sbatch_script(
@@ -158,6 +213,7 @@ def sbatch_script(
     """A batch script that runs `train` on `nodes` nodes and survives preemption and the time
     limit: SLURM's SIGTERM makes every rank save a checkpoint (train exits 143), the job
     requeues itself, and the requeued job (same job id, same run folder) resumes there."""
+    _check_values(config, name, partition, time, account, extra_args or [])
     train = shlex.join(
         ["train", "--config", config, "--accelerator", "gpu", "--devices", str(gpus_per_node)]
     )
@@ -165,18 +221,15 @@ def sbatch_script(
     train += ' --rdzv-id "$SLURM_JOB_ID" --resume latest'
     if extra_args:
         train += " " + shlex.join(extra_args)
-    _check_directive("--partition", partition, _NAMES, "letters, digits and _ . - , only")
-    _check_directive("--account", account, _NAMES, "letters, digits and _ . - , only")
-    _check_directive("--time", time, _TIME, "e.g. 24:00:00, 2-00:00:00 or UNLIMITED")
-    options = [
+    options = [  # numbers as numbers (`:d`): a string here would be a bug
         f"--job-name={name}",
-        f"--nodes={nodes}",
+        f"--nodes={nodes:d}",
         "--ntasks-per-node=1",
-        f"--gpus-per-node={gpus_per_node}",
+        f"--gpus-per-node={gpus_per_node:d}",
         *([f"--partition={partition}"] if partition else []),
         *([f"--account={account}"] if account else []),
         *([f"--time={time}"] if time else []),
-        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
+        *([f"--cpus-per-task={cpus_per_task:d}"] if cpus_per_task else []),
         "--requeue",
         "--signal=TERM@120",
         "--open-mode=append",

@@ -17,7 +17,7 @@ _METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attribu
 def host_index(env: Mapping[str, str], ask_metadata: bool = True) -> int:
     """This host's index in its TPU slice: 0 on a single host."""
     for key in ("CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
-        if env.get(key, "").isdigit():
+        if (value := env.get(key, "")).isascii() and value.isdigit() and len(value) < 7:
             return int(env[key])
     if ask_metadata and not env.get("TPU_SKIP_MDS_QUERY"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, yaml.YAMLError):

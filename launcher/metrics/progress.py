@@ -2,10 +2,10 @@
 value and the lowest and highest with their steps. `train runs` reads this (progress.json)
 instead of the run's whole metrics.jsonl, so that listing runs costs the same at any length.
 
-Rank 0's background writer keeps it (`ProgressSink`, one of `launcher.metrics.sinks`): every
-metrics record updates it, and it is rewritten whole (`write_atomic`) when the writer's queue
-runs empty, off the training thread. Its size grows with the number of metrics a run logs,
-never with its steps.
+Rank 0's background writer keeps it (`ProgressSink`, one of `launcher.metrics.sinks`, with a
+thread of its own, so no tracker ever holds it up): every metrics record updates it, and it is
+rewritten whole (`write_atomic`) when its queue runs empty, off the training thread. Its size
+grows with the number of metrics a run logs, never with its steps.
 
 The same fold reads a metrics file (`from_lines`): a resumed run's sink starts from the file.
 (`train runs` reads the end of the metrics file of a run written before progress.json with
@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING, Any
 from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT, is_number
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
-from launcher.rundir.reading import open_regular, read_head
+from launcher.rundir.reading import open_regular, parse_json_or_none, read_json_or_none
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
     from launcher.metrics.sinks import RunEnd
 
-# The most of progress.json read: a run of thousands of metrics; beyond it, a damaged file.
-MAX_PROGRESS_BYTES = 1 << 20
 _CHUNK = 1 << 20
 
 
@@ -125,7 +123,12 @@ class Progress:
     @classmethod
     def from_json(cls, text: bytes | str) -> Progress:
         """Raises ValueError (or TypeError) where the text is not one."""
-        record = json.loads(text)
+        return cls.from_record(json.loads(text))
+
+    @classmethod
+    def from_record(cls, record: Any) -> Progress:
+        """progress.json's record, parsed; raises ValueError, TypeError, KeyError or
+        AttributeError where it is not one."""
         step = record["step"]
         about = record.get("about") or {}
         progress = cls(int(step) if step is not None else None, about=_about(about))
@@ -178,10 +181,7 @@ def _step(found: Any) -> int | None:
 
 
 def _record(line: bytes) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except ValueError:  # half-written, or not JSON at all
-        return None
+    record = parse_json_or_none(line)  # None: half-written, not JSON at all, nested too deep
     return record if isinstance(record, dict) else None
 
 
@@ -193,12 +193,13 @@ def _marker(line: bytes) -> float | None:
 
 def read_progress(layout: RunLayout) -> Progress | None:
     """The run's progress.json, or None where it has none or it cannot be read (damaged, cut
-    short, not a regular file): its reader then falls back to the metrics file."""
-    text = read_head(layout.progress, MAX_PROGRESS_BYTES)
-    if not text:
+    short, too large, nested too deep, not a regular file): its reader then falls back to the
+    metrics file."""
+    record = read_json_or_none(layout.progress, "record")
+    if record is None:
         return None
     try:
-        return Progress.from_json(text)
+        return Progress.from_record(record)
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
         return None
 

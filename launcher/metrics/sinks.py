@@ -1,20 +1,23 @@
 """Where rank 0's metrics records go besides metrics.jsonl: sinks (the run's progress.json
 always, then the trackers `log.trackers` names: TensorBoard's event files, W&B, MLflow, a CSV
-file), every one fed by one background writer.
+file), each fed by a thread of its own.
 
-A slow disk or tracker must not be a slow step, and one that fails must not fail the run: the
-step only puts each record on a queue, and a thread of its own hands it to every sink. A sink
-that raises warns once and gets nothing more; the other sinks and the run go on, and
-metrics.jsonl (`launcher.metrics.telemetry`) keeps every record whatever happens here.
+A slow disk or tracker must not be a slow step, nor hold up another sink: the step only puts
+each record on every sink's queue, and each sink's own thread hands it its records, so a sink
+that blocks (a tracker whose server stopped answering) only ever delays itself. A sink that
+cannot keep up drops its own oldest records (its queue is bounded) and says so once; a sink
+that raises warns once and gets nothing more. The other sinks and the run go on,
+metrics.jsonl (`launcher.metrics.telemetry`) keeps every record whatever happens here, and the
+end of the run says how many records each sink missed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,26 +40,33 @@ class RunEnd:
 # seconds of CPU that would otherwise be taken from the first steps); a tracker still
 # connecting after it goes on in the background.
 START_WAIT_S = 15.0
-# How often a tracker delivers what it was sent (`launcher.metrics.trackers.base`), and how
-# long the writer waits for a record before it has the sinks flush anyway.
+# How often a tracker delivers what it was sent (its `flush_every`): a request per record
+# would take a few ms of CPU from training at every step of a fast run.
 PUSH_EVERY_S = 1.0
+# The records each sink's queue holds: past it, its oldest are dropped.
+QUEUE_RECORDS = 10_000
+# The longest the end of a run waits for the sinks to write what they were given.
+CLOSE_TIMEOUT_S = 10.0
 
 
 class Sink(Protocol):
-    """A destination for metrics records. Only the background writer's thread calls it, so
-    it may block and it may raise."""
+    """A destination for metrics records. Only its own thread calls it, so it may block and
+    it may raise. It may also have a `flush_every` (seconds, 0 where it has none): the least
+    time between two flushes, for a tracker whose flush is a request."""
 
     name: str  # the spec key that turns it on, for its warnings: "tensorboard", "mlflow"
     where: str  # what it writes to, for its warnings: a folder, a URL
 
     def start(self) -> None:
-        """Before the first record: a tracker connects (from the writer's thread)."""
+        """Before the first record: a tracker connects (from the sink's thread)."""
 
     def write(self, record: dict[str, Any]) -> None:
         """One record: `step` and `time`, then metrics by name (`loss`, `val/loss`, ...)."""
 
     def flush(self) -> None:
-        """Makes what was written visible to readers: called when the queue runs empty."""
+        """Makes what was written visible to readers (a tracker delivers it): called when the
+        queue runs empty, at most once every `flush_every` seconds. A record has reached the
+        sink when a flush after it returned."""
 
     def end(self, outcome: RunEnd) -> None:
         """The run's end, after its last record: a tracker marks its run finished or not."""
@@ -74,96 +84,177 @@ def build_sinks(spec: RunSpec, run_dir: Path) -> list[Sink]:
 
 
 class BackgroundWriter:
-    """Takes records at once (`write`) and hands each to every sink from a thread of its own;
-    `close` writes what is left and waits for it, for at most `close_timeout` seconds."""
+    """Takes records at once (`write`) and hands each to every sink, each from a thread of its
+    own (`SinkThread`); `close` has each write what is left and waits for them all together,
+    for at most `close_timeout` seconds."""
 
     def __init__(
         self,
         sinks: Sequence[Sink],
-        capacity: int = 10_000,  # records waiting; more are dropped (with one warning)
-        close_timeout: float = 10.0,
+        capacity: int = QUEUE_RECORDS,  # records waiting per sink; past it, its oldest go
+        close_timeout: float = CLOSE_TIMEOUT_S,
     ) -> None:
         self.sinks = list(sinks)
         self._close_timeout = close_timeout
-        # None ends the queue; a RunEnd before it is the run's end, for the trackers.
-        self._queue: queue.Queue[dict[str, Any] | RunEnd | None] = queue.Queue(maxsize=capacity)
-        self._dropping = False
+        self._threads = [SinkThread(sink, capacity) for sink in self.sinks]
         self._closed = False
-        # A daemon: a process that ends without close() (a failed start) never waits for it.
-        self._thread = threading.Thread(target=self._drain, name="metrics-sinks", daemon=True)
-        self._started = threading.Event()
-        self._thread.start()
 
     def wait_started(self, timeout: float = START_WAIT_S) -> None:
         """Waits, at most `timeout` seconds, for every sink to have started."""
-        self._started.wait(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.started.wait(max(0.0, deadline - time.monotonic()))
 
     def write(self, record: dict[str, Any]) -> None:
-        """Queues one record; never blocks, never raises."""
-        if self._closed or not self._thread.is_alive():  # closed, or every sink gave up
-            return
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            if not self._dropping:
-                self._dropping = True
-                names = ", ".join(sink.name for sink in self.sinks)
-                warn(
-                    "metrics", f"{self._queue.maxsize} records wait for {names}; dropping new ones"
-                )
+        """Queues one record for every sink; never blocks, never raises."""
+        if not self._closed:
+            for thread in self._threads:
+                thread.put(record)
 
     def close(self, outcome: RunEnd | None = None) -> None:
-        """Writes what is queued, tells the sinks how the run ended (`outcome`: None where
-        it did not end here, a failed start), closes them and ends the thread; gives up (with
-        a warning) after `close_timeout` seconds rather than hold up the end of the run."""
+        """Has every sink write what is queued, tells them how the run ended (`outcome`: None
+        where it did not end here, a failed start) and closes them; gives up on those still
+        writing after `close_timeout` seconds (with a warning) rather than hold up the end of
+        the run. Then says, for each sink that missed records, how many."""
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + self._close_timeout
+        for thread in self._threads:
+            thread.finish(outcome)
+        for thread in self._threads:  # together: the wait is the slowest sink's, not the sum
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = ", ".join(t.sink.name for t in self._threads if t.is_alive())
+        if stuck:
+            warn("metrics", f"{stuck} still writing after {self._close_timeout:g} s; the last "
+                 "records may be lost")  # fmt: skip
+        for thread in self._threads:
+            if missed := thread.missed:
+                warn(thread.sink.name, f"{missed} of {thread.offered} records did not reach "
+                     f"{thread.sink.where} (metrics.jsonl has every one)")  # fmt: skip
+
+    def missed(self) -> dict[str, int]:
+        """By sink name: the records that did not reach it (dropped, or lost with a failure,
+        or still unwritten when `close` gave up)."""
+        return {thread.sink.name: thread.missed for thread in self._threads}
+
+
+class SinkThread:
+    """One sink, its bounded queue, and the thread that hands it its records: a sink that
+    blocks only ever delays itself, and one that cannot keep up drops its own oldest records."""
+
+    def __init__(self, sink: Sink, capacity: int = QUEUE_RECORDS) -> None:
+        self.sink = sink
+        self._capacity = capacity
+        self._flush_every = float(getattr(sink, "flush_every", 0.0))
+        self._queue: deque[dict[str, Any]] = deque()
+        # Guards the queue, the end asked for and the counts (the step puts, the thread takes).
+        self._ready = threading.Condition()
+        self._closing = False
+        self._outcome: RunEnd | None = None
+        self._gave_up = False
+        self.offered = 0  # records put
+        self._reached = 0  # records written and flushed
+        self._dropped = 0
+        self._unflushed = 0  # written since the last flush (this and the next: the thread's)
+        self._flushed_at = time.monotonic()
+        self.started = threading.Event()
+        # A daemon: a process that ends without close() (a failed start) never waits for it.
+        self._thread = threading.Thread(
+            target=self._serve, name=f"metrics-{sink.name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def missed(self) -> int:
+        with self._ready:
+            return self.offered - self._reached
+
+    def put(self, record: dict[str, Any]) -> None:
+        """Queues a record; never blocks. A full queue drops its oldest first."""
+        with self._ready:
+            self.offered += 1
+            if self._gave_up or self._closing:
+                return
+            first_drop = False
+            if len(self._queue) >= self._capacity:
+                self._queue.popleft()
+                self._dropped += 1
+                first_drop = self._dropped == 1
+            self._queue.append(record)
+            self._ready.notify()
+        if first_drop:
+            warn("metrics", f"{self._capacity} records wait for {self.sink.name}; dropping the "
+                 "oldest ones (metrics.jsonl keeps every record)")  # fmt: skip
+
+    def finish(self, outcome: RunEnd | None) -> None:
+        """Asks for the rest of the queue, then the run's end (`outcome`, where there is one),
+        then the sink's close; `join` waits for them."""
+        with self._ready:
+            self._closing, self._outcome = True, outcome
+            self._ready.notify()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _serve(self) -> None:
         try:
-            if self._thread.is_alive():
-                if outcome is not None:  # after the rest
-                    self._queue.put(outcome, timeout=self._close_timeout)
-                self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        except queue.Full:
-            pass
-        if self._thread.is_alive():
-            waiting = ", ".join(sink.name for sink in self.sinks)
-            warn(
-                "metrics",
-                f"{waiting} still writing after {self._close_timeout:g} s; the last records "
-                "may be lost",
-            )
+            working = self._call("start")
+        finally:
+            self.started.set()
+        while working:
+            records, closing = self._take()
+            working = self._write(records) and self._flush_if_due(closing)
+            if closing:
+                break
+        if working and self._outcome is not None:
+            working = self._call("end", self._outcome)
+        if working:
+            self._call("close")
 
-    def _drain(self) -> None:
-        live = [sink for sink in self.sinks if self._hand(sink, "start")]
-        self._started.set()
-        while live and (record := self._next()) is not None:
-            if record == "idle":  # what a sink holds back for its next push goes now
-                live = [sink for sink in live if self._hand(sink, "flush")]
-                continue
-            if isinstance(record, RunEnd):
-                live = [sink for sink in live if self._hand(sink, "end", record)]
-                continue
-            live = [sink for sink in live if self._hand(sink, "write", record)]
-            if self._queue.empty():  # a burst written: readers may see it now
-                live = [sink for sink in live if self._hand(sink, "flush")]
-        for sink in live:
-            self._hand(sink, "close")
+    def _take(self) -> tuple[list[dict[str, Any]], bool]:
+        """What is queued (waiting for something, or until a flush is due), and whether the
+        end was asked for."""
+        wait = None
+        if self._unflushed:
+            wait = max(0.0, self._flushed_at + self._flush_every - time.monotonic())
+        with self._ready:
+            self._ready.wait_for(lambda: self._queue or self._closing, timeout=wait)
+            records = list(self._queue)
+            self._queue.clear()
+            return records, self._closing
 
-    def _next(self) -> dict[str, Any] | RunEnd | str | None:
-        try:
-            return self._queue.get(timeout=PUSH_EVERY_S)
-        except queue.Empty:
-            return "idle"
+    def _write(self, records: list[dict[str, Any]]) -> bool:
+        for record in records:
+            if not self._call("write", record):
+                return False
+            self._unflushed += 1
+        return True
 
-    @staticmethod
-    def _hand(sink: Sink, method: str, *args: Any) -> bool:
-        """Calls a sink; whether it still works. One that fails is closed and left alone."""
+    def _flush_if_due(self, closing: bool) -> bool:
+        if not self._unflushed:
+            return True
+        if not closing and time.monotonic() - self._flushed_at < self._flush_every:
+            return True
+        if not self._call("flush"):
+            return False
+        with self._ready:
+            self._reached += self._unflushed
+        self._unflushed, self._flushed_at = 0, time.monotonic()
+        return True
+
+    def _call(self, method: str, *args: Any) -> bool:
+        """Calls the sink; whether it still works. One that fails is closed and left alone."""
+        sink = self.sink
         try:
             getattr(sink, method)(*args)
         except Exception as exc:  # a full disk, a lost mount, a tracker down: the run goes on
+            with self._ready:
+                self._gave_up = True
+                self._queue.clear()
             warn(
                 sink.name,
                 f"could not write to {sink.where} ({type(exc).__name__}: {exc}); nothing more "

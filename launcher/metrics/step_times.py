@@ -9,13 +9,12 @@ steps (warm-up) by index."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
 from typing import Any
 
-from launcher.rundir.reading import read_head
+from launcher.rundir.reading import read_json_or_none
 
 # Enough for a median within about 1.5 percentile points (95%) of the true one.
 SAMPLE_SIZE = 1024
@@ -82,5 +81,6 @@ def _micro(seconds: float | None) -> float | None:
 def read_sample(path: Path) -> list[float]:
     """The seconds of the steps a run's step-time sample holds, by step (every step of a run
     of up to SAMPLE_SIZE steps): for the benchmarks, which leave out the first ones."""
-    record = json.loads(read_head(path, 1 << 20) or b"{}")
-    return [seconds for _, seconds in record.get("sample", [])]
+    record = read_json_or_none(path, "record")
+    sample = record.get("sample") if isinstance(record, dict) else None
+    return [seconds for _, seconds in sample or []]

@@ -7,8 +7,9 @@ Workers write (paths: `launcher.rundir.layout`):
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
 - rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json,
   the same size at any run length: `launcher.metrics.step_times`); each metrics record also
-  goes to rank 0's sinks (`launcher.metrics.sinks`: TensorBoard's event files, the run's
-  progress.json), through one background writer.
+  goes to rank 0's sinks (`launcher.metrics.sinks`: the run's progress.json, TensorBoard's
+  event files, the trackers), each fed by a thread of its own; summary.json ends with how many
+  records each sink missed (`records_missed`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Telemetry:
         self._beat = os.open(layout.beat(rank), os.O_WRONLY | os.O_CREAT, 0o644)
         self._beats = 0
         self._start = -1
+        self._summary: dict[str, Any] | None = None  # as written: the sinks' count joins it
         self._sinks = None
         if is_main and sinks:
             from launcher.metrics.sinks import BackgroundWriter
@@ -187,11 +189,15 @@ class Telemetry:
             **fields,
         }
         sample = {"steps": times.count, "sample": times.sample_in_order()}
-        for path, record in ((self.layout.summary, summary), (self.layout.step_times, sample)):
-            try:
-                write_atomic(path, json.dumps(record, indent=1 if record is summary else None))
-            except OSError as exc:  # the run is done: a disk that filled must not fail it now
-                _warn(f"{path}: cannot write it ({exc.strerror or exc})")
+        self._summary = summary
+        self._write(self.layout.summary, json.dumps(summary, indent=1))
+        self._write(self.layout.step_times, json.dumps(sample))
+
+    def _write(self, path: Path, text: str) -> None:
+        try:
+            write_atomic(path, text)
+        except OSError as exc:  # the run is done: a disk that filled must not fail it now
+            _warn(f"{path}: cannot write it ({exc.strerror or exc})")
 
     def close(self, outcome: RunEnd | None = None) -> None:
         """`outcome`: how the run ended here, for the trackers (None: it never started)."""
@@ -199,6 +205,9 @@ class Telemetry:
         # not cost the records still queued for them.
         if self._sinks is not None:
             self._sinks.close(outcome)
+            if self._summary is not None:  # what did not reach each sink, known only now
+                self._summary["records_missed"] = self._sinks.missed()
+                self._write(self.layout.summary, json.dumps(self._summary, indent=1))
         os.close(self._beat)
         for file in (self._status, self._metrics):
             if file is not None:

@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -32,7 +31,7 @@ from launcher.metrics.memory import local_bytes, size_text
 from launcher.parallel.dims import ParallelDims, data_mesh
 from launcher.parallel.precision import dtype_of
 from launcher.parallel.shard_units import shard_units
-from launcher.parallel.sharded_init import UnsetByInit, initialize
+from launcher.parallel.sharded_init import MetaBuildFailed, UnsetByInit, build_on_meta, initialize
 from launcher.parallel.tensor_parallel import ParallelizeHook, apply_tensor_parallel
 from launcher.parallel.torch_distributed import TorchDistributedStrategy
 from launcher.parallel.weight_init import WeightInit
@@ -62,19 +61,33 @@ class FSDPStrategy(TorchDistributedStrategy):
         parallelize: ParallelizeHook | None = None,
     ) -> nn.Module:
         self.parallelize = parallelize
-        if self.world_size == 1 and not self._needs_fsdp_alone():
+        if not shards_the_model(self.options, self.world_size):
             self.say(
                 "fsdp: 1 process, nothing to shard: the model runs unwrapped, as ddp's does "
                 "(fsdp.cpu_offload or fsdp.param_dtype keep FSDP)"
             )
             return self._plain(init.build(factory))
         if self.options.init == "cpu":  # built once, on CPU
-            model = init.build(factory)
-            self.say(shard_units(model, self.options.wrap).describe(model))
-            return self._build_on_cpu(model, "fsdp.init: cpu")
-        with torch.device("meta"):
-            model = factory()
+            return self._build_on_cpu(init.build(factory), "fsdp.init: cpu")
+        try:
+            model = build_on_meta(factory)
+        except MetaBuildFailed as failed:
+            if self.options.init != "auto":
+                raise
+            why = (
+                f"fsdp.init: auto: {failed.reason}, so it is built as under fsdp.init: cpu "
+                "(set it to skip this try)"
+            )
+            return self._build_on_cpu(init.build(factory), why)
         self.say(shard_units(model, self.options.wrap).describe(model))
+        return self._initialise_on_meta(model, factory, init)
+
+    def _initialise_on_meta(
+        self, model: nn.Module, factory: Callable[[], nn.Module], init: WeightInit
+    ) -> nn.Module:
+        """`model`, built on the meta device, sharded and initialised on each rank's shards;
+        or, under `fsdp.init: auto` where no explicit initialisation defines every weight,
+        built again on CPU."""
         choice, exact, name = self.options.init, init.exact(model), type(model).__name__
         if choice == "auto" and exact is None:
             # Its constructors define its weights: it is built again, on CPU (fsdp.init: cpu
@@ -84,7 +97,7 @@ class FSDPStrategy(TorchDistributedStrategy):
                 "the recipe or the model, or a Hugging Face model's), so its constructors define "
                 "its weights"
             )
-            return self._build_on_cpu(init.build(factory), why)
+            return self._build_on_cpu(init.build(factory), why, units_said=True)
         try:
             model = self._materialise(model, init)
         except UnsetByInit as unset:
@@ -92,7 +105,7 @@ class FSDPStrategy(TorchDistributedStrategy):
                 raise
             left = ", ".join(unset.names[:4]) + (" ..." if len(unset.names) > 4 else "")
             why = f"fsdp.init: auto: {exact} leaves {left} unset on the meta device"
-            return self._build_on_cpu(init.build(factory), why)
+            return self._build_on_cpu(init.build(factory), why, units_said=True)
         if exact is None:
             self.say(
                 f"fsdp.init: meta: {name} has no explicit initialisation, so each module's "
@@ -110,8 +123,11 @@ class FSDPStrategy(TorchDistributedStrategy):
         initialize(model, init)
         return model
 
-    def _build_on_cpu(self, model: nn.Module, why: str) -> nn.Module:
-        """Shards `model`, built whole on CPU in every process, as ddp builds it."""
+    def _build_on_cpu(self, model: nn.Module, why: str, units_said: bool = False) -> nn.Module:
+        """Shards `model`, built whole on CPU in every process, as ddp builds it. `units_said`:
+        the shard units were named already, from the model on the meta device."""
+        if not units_said:
+            self.say(shard_units(model, self.options.wrap).describe(model))
         full_bytes = local_bytes(itertools.chain(model.parameters(), model.buffers()))
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torch.distributed's own
         self.say(
@@ -122,11 +138,6 @@ class FSDPStrategy(TorchDistributedStrategy):
         # fully_shard moves each unit to the mesh's device as it shards it (offloaded shards
         # go back to CPU), so the device never holds more than one whole unit.
         return self.wrap_model(model)
-
-    def _needs_fsdp_alone(self) -> bool:
-        """What only FSDP does, even for one process: offloading, and gathering parameters
-        in another dtype."""
-        return self.options.cpu_offload or self.options.param_dtype is not None
 
     def _plain(self, model: nn.Module) -> nn.Module:
         self.check_layers(model)
@@ -155,6 +166,12 @@ class FSDPStrategy(TorchDistributedStrategy):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+
+def shards_the_model(options: FSDPSection, world_size: int) -> bool:
+    """Whether fsdp wraps the model at all: on several processes, or on one for what only FSDP
+    does (offloading, and gathering parameters in another dtype)."""
+    return world_size > 1 or options.cpu_offload or options.param_dtype is not None
 
 
 def lay_out(

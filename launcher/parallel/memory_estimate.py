@@ -98,7 +98,7 @@ def estimate_memory(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # torch's warnings about the fake layout (FSDP's, DTensor's) are the run's to give.
-    with _fake_process_group(layout.dims.world), warnings.catch_warnings():
+    with fake_process_group(layout.dims.world), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _laid_out_model(build_model, layout, parallelize)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -214,7 +214,7 @@ def _kinds(tracker: Any, kinds: tuple[str, ...]) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def _fake_process_group(world: int) -> Iterator[None]:
+def fake_process_group(world: int) -> Iterator[None]:
     """A process group of `world` ranks whose collectives do nothing (torch's own, for
     estimates), destroyed on the way out: this process's later work sees none."""
     if world == 1:
@@ -231,4 +231,4 @@ def _fake_process_group(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-__all__ = ["Layout", "MemoryEstimate", "estimate_memory"]
+__all__ = ["Layout", "MemoryEstimate", "estimate_memory", "fake_process_group"]

@@ -13,6 +13,7 @@ Deterministic element-wise ops (`mul_`, `zero_`, `clamp_`, ...) act on shards un
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +64,34 @@ class UnsetByInit(UsageError):
             "fills every parameter and buffer, or set fsdp.init: cpu (or auto) to build the "
             "model on CPU as ddp does.",
         )
+
+
+class MetaBuildFailed(UsageError):
+    """The model's constructor cannot run on the meta device: it reads a weight's value
+    (`.item()`, an `if` on a tensor), which the meta device does not hold."""
+
+    def __init__(self, error: Exception) -> None:
+        text = str(error).strip()
+        said = f": {text.splitlines()[0][:160]}" if text else ""
+        self.reason = f"the model cannot be built on the meta device ({type(error).__name__}{said})"
+        super().__init__(
+            f"fsdp.init: meta: {self.reason}",
+            hint="Its constructor reads a weight's value (.item(), an if on a tensor), which the "
+            "meta device does not hold. Set fsdp.init: cpu (or auto) to build it on CPU as ddp "
+            "does.",
+        )
+
+
+def build_on_meta(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """`factory()` on the meta device: parameters without memory. Raises `MetaBuildFailed`
+    where the constructor cannot run there; a `UsageError` of the recipe's passes as it is."""
+    try:
+        with torch.device("meta"):
+            return factory()
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise MetaBuildFailed(exc) from exc
 
 
 class ShardedInit(TorchFunctionMode):

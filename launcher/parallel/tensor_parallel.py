@@ -34,7 +34,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, hook: ParallelizeHook | N
 
 def check_plan(model: nn.Module, hook: ParallelizeHook | None, tp: int) -> dict[str, Any]:
     """The Hugging Face plan `model` would be split by where there is no `hook` (empty where
-    there is one); a `UsageError` where there is neither (`train validate` asks too)."""
+    there is one); a `UsageError` where there is neither, or where `tp` does not divide the
+    model's heads (`train validate` asks too)."""
     if hook is not None:
         return {}
     plan = hugging_face_plan(model)
@@ -46,7 +47,25 @@ def check_plan(model: nn.Module, hook: ParallelizeHook | None, tp: int) -> dict[
             "parallelize_module(model, mesh, plan) (docs/fsdp-and-parallelism.md, 'Tensor parallelism'), or "
             "set parallel.tp: 1.",
         )
+    _check_heads(model, tp)
     return plan
+
+
+# A transformers config's numbers of heads: an attention layer split by its plan reshapes each
+# process's part into whole heads.
+_HEADS = {"num_attention_heads": "attention heads", "num_key_value_heads": "key-value heads"}
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    for key, noun in _HEADS.items():
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            raise UsageError(
+                f"parallel.tp: {tp} processes cannot split {type(model).__name__}'s {heads} "
+                f"{noun} ({key}): each process must hold whole heads",
+                hint=f"Set parallel.tp to a divisor of {heads}.",
+            )
 
 
 def hugging_face_plan(model: nn.Module) -> dict[str, Any] | None:

@@ -31,17 +31,21 @@ This module is the one owner of the layout; no other module joins run-folder pat
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 import socket
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launcher.errors import UsageError
+from launcher.rundir.reading import UnreadableJson, read_json
 
 _STEP = re.compile(r"^step-(\d{8,})$")
+_DELETING = re.compile(r"^\.step-\d{8,}\.deleting$")  # CheckpointFiles.unpublished
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,15 @@ class RunLayout:
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
+    def cut_short_deletions(self) -> list[Path]:
+        """The pruned checkpoints that their launcher, stopped mid-delete, left unpublished
+        (`CheckpointFiles.unpublished`): folders, never a link."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(
+            p for p in self.checkpoints.iterdir() if _DELETING.match(p.name) and _is_folder(p)
+        )
+
     def prunable(self, keep_last: int | None, protected: Iterable[int] = ()) -> list[Path]:
         """The pruning rule: complete checkpoints other than the newest `keep_last` and the
         `protected` steps (the best ones). None: keep everything."""
@@ -261,11 +274,12 @@ class RunLayout:
         newest = self.latest_complete()
         if newest is None:
             return None
-        record = json.loads(CheckpointFiles(newest).meta.read_text()).get("best") or {}
-        for step, score in record.get("kept", []):
+        meta = CheckpointFiles(newest).meta
+        monitor, kept = _best_record(read_json(meta, "checkpoint meta"), meta)
+        for step, score in kept:
             path = self.checkpoint(step)
             if CheckpointFiles(path).is_complete:
-                return Best(path, step, score, record["monitor"])
+                return Best(path, step, score, monitor)
         return None
 
     def holds_a_run(self) -> bool:
@@ -295,6 +309,36 @@ class Best:
 
     def describe(self) -> str:
         return f"{self.path} ({self.monitor} {self.score:.6g} at step {self.step})"
+
+
+def _best_record(meta: Any, where: Path) -> tuple[str, list[tuple[int, float]]]:
+    """The monitor and the (step, score) pairs, best first, of a checkpoint's meta.json (its
+    `best` entry, which `launcher.worker.monitors` writes); UnreadableJson where malformed."""
+    record = meta.get("best") if isinstance(meta, dict) else None
+    if not record:
+        return "", []
+    try:
+        monitor, pairs = record["monitor"], [(step, score) for step, score in record["kept"]]
+    except (TypeError, KeyError, ValueError):  # not a mapping, not a list of pairs
+        monitor, pairs = None, []
+    if not isinstance(monitor, str) or not all(map(_is_step_and_score, pairs)):
+        raise UnreadableJson(where, "its record of the best checkpoints is malformed")
+    return monitor, pairs
+
+
+def _is_step_and_score(pair: tuple[Any, Any]) -> bool:
+    step, score = pair
+    numbers = all(isinstance(n, int | float) and not isinstance(n, bool) for n in pair)
+    # A step of 400 digits would make a file name too long to look up.
+    return numbers and isinstance(step, int) and 0 <= step < 10**15 and not math.isnan(score)
+
+
+def _is_folder(path: Path) -> bool:
+    """A folder itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def step_of(checkpoint: Path) -> int | None:

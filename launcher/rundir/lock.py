@@ -14,6 +14,7 @@ import time
 
 from launcher.errors import UsageError
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import UnreadableJson, parse_json
 
 
 class RunLock:
@@ -26,6 +27,11 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock: not where the file system has no flock."""
+        return self._fd is not None
 
     def __enter__(self) -> RunLock:
         return self
@@ -102,10 +108,11 @@ def _holder(fd: int, patience: float = 2.0) -> str:
     deadline = time.monotonic() + patience
     while True:
         try:
-            record = json.loads(os.pread(fd, 4096, 0))
+            # Anyone may have written into the file: a record nested too deeply is none.
+            record = parse_json(os.pread(fd, 4096, 0), "launcher.lock")
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["since"]))
             return f"pid {record['pid']} on host {record['host']}, since {since}"
-        except (ValueError, KeyError, TypeError, OverflowError):
+        except (UnreadableJson, ValueError, KeyError, TypeError, OverflowError):
             if time.monotonic() > deadline:
                 return "its pid and host are not recorded"
             time.sleep(0.05)

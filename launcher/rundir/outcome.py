@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from launcher.errors import INTERRUPTED, LauncherError
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
-from launcher.rundir.reading import read_head
+from launcher.rundir.reading import read_json_or_none
 
 STATUSES = ("finished", "failed", "stopped")
 # Held in the run folder while the run runs: more than a record takes.
@@ -46,10 +46,10 @@ class RunOutcome:
 
 def read_outcome(layout: RunLayout) -> RunOutcome | None:
     """The recorded outcome, or None: none was written, or it cannot be read."""
+    record = read_json_or_none(layout.outcome, "record")
+    if not isinstance(record, dict):
+        return None
     try:
-        record = json.loads(read_head(layout.outcome, 1 << 16) or b"")
-        if not isinstance(record, dict):
-            return None
         started = record.get("started")
         outcome = RunOutcome(
             status=str(record["status"]),

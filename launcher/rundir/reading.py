@@ -34,6 +34,7 @@ JSON_LIMITS = {
     "safetensors header": 100_000_000,  # safetensors' own limit
     "trackers": 1 << 20,
     "record": 1 << 20,  # outcome.json, progress.json, a rank's step times: small records
+    "worker plan": 64 << 20,  # the resolved spec and the YAML file it came from (5 MiB)
 }
 
 
@@ -106,12 +107,17 @@ def read_json(path: Path, kind: str) -> Any:
         raise
     except OSError as exc:  # a link loop, a folder, no permission
         raise UnreadableJson(path, f"cannot be read ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as file:
+    try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # /dev/zero, a FIFO: never read
+        if not stat.S_ISREG(info.st_mode):  # /dev/zero, a FIFO, a folder: never read
             raise UnreadableJson(path, "not a regular file")
         if info.st_size > limit:
             raise UnreadableJson(path, _too_large(info.st_size, limit, kind))
+        file = os.fdopen(fd, "rb")  # only now: it refuses a folder with its own error
+    except BaseException:
+        os.close(fd)
+        raise
+    with file:
         try:
             data = file.read(limit + 1)  # a file that grows while read is bounded too
         except OSError as exc:
@@ -127,9 +133,18 @@ def parse_json(data: bytes | str, where: Path | str) -> Any:
     try:
         return json.loads(data)
     except RecursionError:
-        raise UnreadableJson(where, "nested too deeply to be a file the launcher wrote") from None
+        raise UnreadableJson(where, "nested too deeply to read") from None
     except ValueError as exc:  # UnicodeDecodeError is one
         raise UnreadableJson(where, f"not valid JSON ({_first_line(exc)})") from None
+
+
+def parse_json_or_none(data: bytes | str) -> Any:
+    """As parse_json, for readers of records a line at a time (a line half-written, or
+    damaged): None where the text is not JSON or is nested too deeply."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
 
 
 def read_json_or_none(path: Path, kind: str) -> Any:

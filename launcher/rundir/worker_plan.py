@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.rundir.atomic import write_atomic
+from launcher.rundir.reading import read_json
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -57,7 +58,7 @@ class WorkerPlan:
 
     @classmethod
     def read(cls, path: Path) -> WorkerPlan:
-        record = json.loads(path.read_text())
+        record = read_json(path, "worker plan")
         record["run_dir"] = Path(record["run_dir"])
         for key in ("resume_from", "compile_cache"):
             record[key] = Path(record[key]) if record[key] is not None else None

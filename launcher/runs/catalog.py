@@ -14,7 +14,6 @@ tell whether the lock is held (no flock), and the run recorded no end.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -27,7 +26,7 @@ from launcher.metrics.telemetry import read_beat
 from launcher.rundir.layout import RunLayout, step_of
 from launcher.rundir.lock import is_held
 from launcher.rundir.outcome import RunOutcome, read_outcome
-from launcher.rundir.reading import read_tail
+from launcher.rundir.reading import parse_json_or_none, read_tail
 from launcher.runs.metrics_file import value
 
 if TYPE_CHECKING:
@@ -198,10 +197,7 @@ def _total_steps(layout: RunLayout, planned: int | None) -> int | None:
     # What rank 0 counted (train.max_epochs included), else what the spec says: its newest
     # status record that says, parsed from the end (most often the last one).
     for line in reversed((read_tail(layout.telemetry(0), 16384) or b"").splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:  # half-written
-            continue
+        record = parse_json_or_none(line)  # None: half-written
         if isinstance(record, dict) and (total := value(record, "max_steps")) is not None:
             return int(total)
     return planned

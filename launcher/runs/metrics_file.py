@@ -8,13 +8,12 @@ Every reader sees each step once, with the newer values, and never the marker it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from launcher.metrics.progress import value
 from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT
-from launcher.rundir.reading import read_tail
+from launcher.rundir.reading import parse_json_or_none, read_tail
 
 # The most of a metrics file read: its newest records (over a million steps of a few metrics).
 MAX_METRICS_BYTES = 256 << 20
@@ -34,10 +33,7 @@ def tail_records(path: Path, size: int = 16384) -> list[dict[str, Any]]:
 def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
     records = []
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:  # half-written, or not JSON at all
-            continue
+        record = parse_json_or_none(line)  # None: half-written, or not JSON at all
         if isinstance(record, dict):
             records.append(record)
     return records

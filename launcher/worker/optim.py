@@ -10,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from launcher.config.optim import WSD_DECAY_FRACTION, OptimSection, optimizer_class
+from launcher.errors import UsageError
 
 
 def build_optimizer(
@@ -25,7 +26,25 @@ def build_optimizer(
     accepted = inspect.signature(cls).parameters
     chosen = {k: v for k, v in (defaults or {}).items() if k in accepted}
     chosen.update(fused_default(cls, optim, accepted, device_type))
-    return cls(groups, lr=optim.lr, **{**chosen, **optim.kwargs})
+    try:
+        return cls(groups, lr=optim.lr, **{**chosen, **optim.kwargs})
+    except (ValueError, TypeError) as exc:  # the optimizer's own checks of what it was given
+        raise _refused(optim, len(groups), exc) from exc
+
+
+def _refused(optim: OptimSection, n_groups: int, exc: Exception) -> UsageError:
+    """The optimizer refused the run's settings or its parameter groups (LBFGS takes one
+    group), which the spec's own checks, on one stand-in parameter, could not see."""
+    keys = (
+        "optim.name, optim.kwargs and optim.groups"
+        if optim.groups
+        else "optim.name and optim.kwargs"
+    )
+    return UsageError(
+        f"optim: {optim.name} refuses the run's {n_groups} parameter group"
+        f"{'s' if n_groups != 1 else ''}: {exc}",
+        hint=f"Change {keys} (or the recipe's param_groups) to what the optimizer takes.",
+    )
 
 
 def fused_default(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config.optim import OptimSection, unknown_options
+from launcher.config.optim import OptimSection, bad_values, rejected_settings, unknown_options
 from launcher.errors import UsageError
 from launcher.parallel.wrapper_names import bare_model, named_parameters
 from launcher.worker.recipe import Recipe
@@ -106,10 +106,13 @@ def _from_patterns(
             (g for g, s in zip(groups, specs, strict=True) if _matches(name, s["params"])), rest
         )
         matched.params.append(param)
+    trainable_names = [name for name, _ in trainable]
     for i, spec in enumerate(specs):
         for pattern in spec["params"]:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in all_names):
                 raise _no_match(i, pattern, all_names)
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in trainable_names):
+                raise _only_frozen(i, pattern, all_names)
     return [*groups, rest]
 
 
@@ -129,6 +132,17 @@ def _no_match(index: int, pattern: str, names: list[str]) -> UsageError:
     )
 
 
+def _only_frozen(index: int, pattern: str, names: list[str]) -> UsageError:
+    frozen = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    shown = ", ".join(frozen[:5]) + (", ..." if len(frozen) > 5 else "")
+    return UsageError(
+        f"optim.groups: group {index + 1}'s pattern {pattern!r} matches only frozen parameters "
+        f"({shown}: requires_grad=False), which never reach the optimizer, so its settings "
+        "would apply to nothing",
+        hint="Remove the pattern, or unfreeze those parameters in build_model.",
+    )
+
+
 def _from_hook(
     hook: Any, model: nn.Module, trainable: list[tuple[str, nn.Parameter]], optim: OptimSection
 ) -> list[Group]:
@@ -145,7 +159,11 @@ def _from_hook(
     groups = []
     for i, spec in enumerate(given):
         options = {k: v for k, v in spec.items() if k != "params"}
-        problem = unknown_options(optim.name, options)
+        problem = (
+            unknown_options(optim.name, options)
+            or bad_values(options)
+            or rejected_settings(optim.name, optim.lr, {**optim.kwargs, **options})
+        )
         if problem:
             raise UsageError(f"recipe: param_groups() group {i + 1}: {problem}")
         params = [p for p in _params_of(spec["params"]) if p.requires_grad]

@@ -1,6 +1,7 @@
 """A damaged checkpoint is refused by the launcher before it creates a folder or starts a worker
 (exit 2, no traceback), naming the damaged file and the newest intact checkpoint; nothing that
-existed is changed. A branch attempt that failed never blocks its retry."""
+existed is changed. A branch attempt that failed never blocks its retry, and what a pruning cut
+short leaves is removed by the next start."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ DAMAGES = [
     pytest.param(lambda c: _truncate(c / "rank-1.pt"), "rank-1.pt does not load", id="rank-pt"),
     pytest.param(
         lambda c: (c / "meta.json").write_text("{garbage"),
-        "meta.json is not valid JSON",
+        "meta.json: not valid JSON",
         id="garbage-meta",
     ),
 ]
@@ -91,7 +92,7 @@ def test_resume_best_refuses_a_damaged_record_of_the_best(base: Path, tmp_path: 
     (tmp_path / STEP_6 / "meta.json").write_text("{garbage")
     before = _snapshot(tmp_path)
     result = run_train(["--config", "run.yaml", "--resume", "best"], cwd=tmp_path, timeout=60)
-    usage_error(result, "--resume best", "meta.json is not valid JSON", "step-00000004")
+    usage_error(result, "--resume best", "meta.json: not valid JSON", "step-00000004")
     assert _snapshot(tmp_path) == before
 
 
@@ -117,3 +118,23 @@ def test_failed_branch_attempts_leave_nothing_in_the_way_of_the_retry(
     # The folder's spec is the attempt's that trained, not the one that failed.
     assert "hidden" not in (tmp_path / "branch" / "spec.yaml").read_text()
     assert not list((tmp_path / "branch").glob("spec.resume-*"))
+
+
+def test_a_pruning_cut_short_is_finished_by_the_next_start(base: Path, tmp_path: Path) -> None:
+    """Its launcher was killed while it deleted an unpublished checkpoint: the resume removes
+    the hidden folder, says what it freed, and keeps every checkpoint."""
+    _copy(base, tmp_path)
+    checkpoints = tmp_path / RUN / "checkpoints"
+    left = checkpoints / ".step-00000002.deleting"
+    shutil.move(checkpoints / "step-00000002", left)
+    result = run_train(
+        ["--config", "run.yaml", "--resume", "latest", "train.max_steps=7"], tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"note: removed {left.name} from {checkpoints}" in result.stderr
+    assert not left.exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "step-00000004",
+        "step-00000006",
+        "step-00000007",
+    ]

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import resource
+import struct
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ RAISES = NO_LOSS + "def loss(model, batch):\n    return 0\n"
 RAISES = RAISES.replace("return torch.nn.Linear(2, 1)", "raise ValueError('my model is broken')")
 CORRUPT_META = b"\x80\x04not a pickle"
 SLURM = ["slurm", "--config", "run.yaml"]
+K8S = ["k8s", "--config", "run.yaml", "--nodes", "2", "--gpus-per-node", "8"]
 # Inputs that exhausted the machine: a file past the size limit, 300 levels of nesting, and an
 # alias bomb (10 values, each level 10 aliases of the one before: 10**9 once expanded).
 TOO_BIG = "#" * (5 * 1024 * 1024)
@@ -33,6 +36,18 @@ TOO_DEEP = "".join("  " * i + "a:\n" for i in range(300))
 BOMB = "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
 BOMB += "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9))
 BOMB += "optim: {lr: *a8}\n"
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+def _safetensors(header: dict | str, data: int) -> bytes:
+    """A safetensors file: its header (a mapping, or text as it is), then `data` zero bytes."""
+    text = header if isinstance(header, str) else json.dumps(header)
+    return struct.pack("<Q", len(text)) + text.encode() + b"\0" * data
+
+
+def _tensor(shape: list[int], begin: int, end: int, dtype: str = "F32") -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
 
 # (id, command-line arguments after --config run.yaml, files to write, expected texts, code)
 CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
@@ -207,6 +222,105 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
         ["ValueError: my model is broken", "raises.py", "rank 0 failed"],
         1,
     ),
+    # Issue 39: what a hostile value or file could do, refused in one line.
+    (
+        "k8s-pvc-injection",
+        [*K8S, "--image", "img:1", "--pvc", "data\n---\napiVersion: v1\nkind: Pod\n#"],
+        {},
+        ["--pvc 'data\\n---", "DNS-1123"],
+        2,
+    ),
+    (
+        "k8s-image-injection",
+        [*K8S, "--image", "img:1\nkind: Pod"],
+        {},
+        ["--image 'img:1\\nkind: Pod'", "image reference"],
+        2,
+    ),
+    (
+        "k8s-mount-path-injection",
+        [*K8S, "--image", "img:1", 'run.output_dir="/runs\\n---\\nkind: Pod"'],
+        {},
+        ["run.output_dir '/runs\\n---", "mountPath"],
+        2,
+    ),
+    (
+        "slurm-override-across-lines",
+        [*SLURM, "--nodes", "2", "--gpus-per-node", "1", "run.output_dir=runs\n#SBATCH --x"],
+        {},
+        ["override 'run.output_dir=runs\\n#SBATCH --x'", "batch script"],
+        2,
+    ),
+    ("devices-process-bomb", ["--devices", "100000"], {}, ["--devices 100000:", "4 per core"], 2),
+    (
+        "devices-process-bomb-yaml",
+        ["--config", "bomb.yaml"],
+        {
+            "bomb.yaml": "run: {name: t}\nlaunch: {accelerator: cpu, devices: 100000}\n"
+            f"recipe: {{source: {MLP}}}\ntrain: {{max_steps: 1}}\n"
+        },
+        ["launch.devices: 100000 (bomb.yaml:2):", "4 per core"],
+        2,
+    ),
+    ("optim-kwargs-nan", ["optim.kwargs={momentum: .nan}"], {}, ["optim.kwargs", "nan"], 2),
+    ("optim-lr-inf", ["optim.lr=.inf"], {}, ["optim.lr", "finite number"], 2),
+    (
+        "optim-group-negative-lr",
+        ["optim.groups=[{params: ['*.bias'], lr: -1}]"],
+        {},
+        ["optim.groups", "group 1: lr: must be 0 or more"],
+        2,
+    ),
+    (
+        "optim-group-negative-decay",
+        ["optim.groups=[{params: ['*.bias'], weight_decay: -0.1}]"],
+        {},
+        ["group 1: weight_decay: must be 0 or more"],
+        2,
+    ),
+    (
+        "optimizer-refuses-kwargs",
+        ["optim.name=Adam", "optim.kwargs={betas: [2, 0.9]}"],
+        {},
+        ["optim.kwargs", "Adam refuses betas=[2, 0.9]"],
+        2,
+    ),
+    ("optim-name-dots", ["optim.name=.."], {}, ["optim.name", "got '..'"], 2),
+    (
+        "weights-overlapping-offsets",
+        ["--load-weights", "w.safetensors"],
+        {"w.safetensors": _safetensors({"a": _tensor([4], 0, 16), "b": _tensor([4], 8, 24)}, 24)},
+        ["load.weights", "tensor 'b' overlaps tensor 'a'"],
+        2,
+    ),
+    (
+        "weights-short-offsets",
+        ["load.weights=w.safetensors"],
+        {"w.safetensors": _safetensors({"a": _tensor([4], 0, 8)}, 8)},
+        ["load.weights", "is 16 bytes"],
+        2,
+    ),
+    (
+        "weights-unknown-dtype",
+        ["--load-weights", "w.safetensors"],
+        {"w.safetensors": _safetensors({"a": _tensor([2], 0, 8, "F33")}, 8)},
+        ["unknown dtype 'F33'"],
+        2,
+    ),
+    (
+        "weights-header-too-deep",
+        ["--load-weights", "w.safetensors"],
+        {"w.safetensors": _safetensors(DEEP_JSON, 0)},
+        ["w.safetensors", "nested too deeply"],
+        2,
+    ),
+    (
+        "weights-index-too-deep",
+        ["--load-weights", "hf"],
+        {"hf/model.safetensors.index.json": DEEP_JSON},
+        ["model.safetensors.index.json", "nested too deeply"],
+        2,
+    ),
 ]
 
 
@@ -217,7 +331,11 @@ def _snapshot(folder: Path) -> dict[Path, str]:
 # Refused while the spec and flags are read, before anything that differs between torch
 # versions runs: once is enough (`make test` runs them in .venv only).
 SPEC_ONLY = {
-    *(c[0] for c in CASES if c[0].startswith(("yaml-", "devices-", "config-", "slurm-"))),
+    *(
+        c[0]
+        for c in CASES
+        if c[0].startswith(("yaml-", "devices-", "config-", "slurm-", "k8s-", "optim-", "weights-"))
+    ),
     "unknown-key",
     "unknown-section",
     "wrong-type",

@@ -14,7 +14,7 @@ from launcher.cli.recipe_check import check_arguments
 from launcher.config.spec import RecipeSection
 from launcher.errors import UsageError
 from launcher.worker.recipe import Recipe
-from tests.conftest import run_train, usage_error, write_spec
+from tests.conftest import REPO, run_train, usage_error, write_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,3 +238,90 @@ def test_a_call_no_keyword_can_fix_is_named_by_its_section() -> None:
     with pytest.raises(UsageError) as caught:
         check_arguments(recipe, RecipeSection(source="x.py"))
     assert "recipe.model: build_model() cannot be called this way" in caught.value.render()
+
+
+# build_model() reads a value, which the meta device does not hold.
+READS_A_VALUE = MODEL.replace("return", "torch.ones(1).item()\n    return") + LOSS + TENSORS
+
+
+def test_validate_builds_the_model_as_fsdp_will(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, READS_A_VALUE)
+    launch = {"strategy": "fsdp"}
+    code, output = _validate(tmp_path, recipe=recipe, launch=launch)
+    assert code == 0, output
+    assert "cannot be built on the meta device (RuntimeError: Tensor.item()" in output
+    assert "fsdp.init: auto builds it on CPU in every process" in output
+    code, output = _validate(tmp_path, "fsdp.init=meta", recipe=recipe, launch=launch)
+    assert code == 2 and "Traceback" not in output, output
+    assert "fsdp.init: meta: the model cannot be built on the meta device" in output
+    assert "Set fsdp.init: cpu (or auto)" in output
+
+
+def _weights(tmp_path: Path, name: str) -> str:
+    """load.weights for `Linear(4, 1)`: `fit.pt` its own, `wide.pt` a Linear(4, 2)'s, and
+    `junk.pt` no torch file at all."""
+    import torch
+
+    shape = {"fit.pt": (1, 4), "wide.pt": (2, 4)}.get(name)
+    if shape is None:
+        (tmp_path / name).write_bytes(b"not a torch file")
+    else:
+        torch.save({"weight": torch.zeros(shape), "bias": torch.zeros(shape[0])}, tmp_path / name)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("missing.pt", ["load.weights", "missing.pt: no such file or folder"]),
+        ("junk.pt", ["load.weights", "junk.pt: cannot read it"]),
+        ("wide.pt", ["load.weights", "do not fit the model", "shape of weight: weights [2, 4]"]),
+    ],
+)
+def test_weights_that_do_not_fit_the_model_are_refused(
+    tmp_path: Path, name: str, expected: list[str]
+) -> None:
+    path = _weights(tmp_path, name) if name != "missing.pt" else str(tmp_path / name)
+    recipe = _recipe(tmp_path, MODEL + LOSS + TENSORS)
+    code, output = _validate(tmp_path, f"load.weights={path}", recipe=recipe)
+    assert code == 2 and "Traceback" not in output, output
+    for text in expected:
+        assert text in output, output
+
+
+def test_weights_that_fit_are_said(tmp_path: Path) -> None:
+    path = _weights(tmp_path, "fit.pt")
+    recipe = _recipe(tmp_path, MODEL + LOSS + TENSORS)
+    code, output = _validate(tmp_path, f"load.weights={path}", recipe=recipe)
+    assert code == 0, output
+    assert "load.weights: 2 tensors fit" in output
+
+
+def test_an_optimizer_that_refuses_the_groups_is_refused(tmp_path: Path) -> None:
+    groups = "optim.groups=[{params: ['*.bias'], lr: 0.1}]"
+    code, output = _validate(tmp_path, "optim.name=LBFGS", groups)
+    assert code == 2 and "Traceback" not in output, output
+    assert "optim: LBFGS refuses the run's 2 parameter groups" in output
+    assert "doesn't support per-parameter options" in output
+
+
+# The GPT recipe, small: 2 heads of 16 over an embedding of 32.
+GPT_TWO_HEADS = {
+    "source": str(REPO / "recipes" / "gpt.py"),
+    "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16},
+    "dataset": {"block_size": 16, "max_bytes": 20_000},
+}
+
+
+@pytest.mark.parametrize(("tp", "refused"), [(2, False), (4, True)])
+def test_a_tensor_parallel_split_the_heads_cannot_take_is_refused(
+    tmp_path: Path, tp: int, refused: bool
+) -> None:
+    launch = {"strategy": "fsdp", "devices": tp}
+    code, output = _validate(tmp_path, recipe=GPT_TWO_HEADS, launch=launch, parallel={"tp": tp})
+    if not refused:
+        assert code == 0, output
+        return
+    assert code == 2 and "Traceback" not in output, output
+    assert "parallel.tp: 4: the model split over 4 processes fails in loss(model, batch)" in output
+    assert "whole attention heads" in output

@@ -94,6 +94,34 @@ def test_flag_and_override_errors_name_their_origin(tmp_path: Path) -> None:
         ("run: {name: 'my run/1'}", "run.name (line 3): use letters, digits"),
         ("launch: {devices: two}", "expected a positive number of devices or 'auto', got 'two'"),
         ("train: {precision: fp8, max_steps: 1}", "expected one of 'fp32', 'bf16' or 'fp16'"),
+        ("optim: {name: '..'}", "optim.name (line 3): expected a torch.optim optimizer or a"),
+        ("optim: {lr: .inf}", "optim.lr (line 3): Input should be a finite number"),
+        (
+            "optim: {kwargs: {weight_decay: .nan}}",
+            "optim.kwargs (line 3): weight_decay: nan is not a number an optimizer can use",
+        ),
+        (
+            "optim: {name: Adam, kwargs: {betas: [2, 0.9]}}",
+            "optim.kwargs (line 3): Adam refuses betas=[2, 0.9]: Invalid beta parameter at "
+            "index 0: 2",
+        ),
+        ("optim: {kwargs: {weight_decay: -1}}", "weight_decay: must be 0 or more, got -1"),
+        (
+            "optim: {groups: [{params: ['*'], lr: -1}]}",
+            "optim.groups (line 3): group 1: lr: must be 0 or more, got -1",
+        ),
+        (
+            "optim: {groups: [{params: ['*'], weight_decay: -0.5}]}",
+            "group 1: weight_decay: must be 0 or more, got -0.5",
+        ),
+        (
+            "optim: {name: Adam, groups: [{params: ['*'], betas: [0.9, .inf]}]}",
+            "group 1: betas: inf is not a number an optimizer can use",
+        ),
+        (
+            "optim: {name: SGD, groups: [{params: ['*'], nesterov: true}]}",
+            "group 1: SGD refuses nesterov=True: Nesterov momentum requires a momentum",
+        ),
     ],
 )
 def test_bad_values_get_a_specific_message(tmp_path: Path, text: str, expected: str) -> None:
@@ -102,6 +130,32 @@ def test_bad_values_get_a_specific_message(tmp_path: Path, text: str, expected: 
     else:
         base = MINIMAL + text + "\n"
     assert expected in _errors(_spec(tmp_path, base))
+
+
+def test_a_groups_settings_are_checked_over_the_kwargs(tmp_path: Path) -> None:
+    text = "optim: {name: SGD, kwargs: {momentum: 0.9}, groups: [{params: ['*'], nesterov: true}]}"
+    spec = load_cli_spec(_spec(tmp_path, MINIMAL + text + "\n"))
+    assert spec.optim.groups[0]["nesterov"] is True
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "key"),
+    [
+        ("loop.py", [], "recipe.source"),  # in the YAML file: relative to it
+        ("r.py", ["recipe.source=loop.py"], "recipe.source"),
+        ("r.py", ["load.weights=loop.py"], "load.weights"),
+    ],
+)
+def test_a_symbolic_link_loop_is_refused_naming_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str, overrides: list[str], key: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop.py").symlink_to("other.py")
+    (tmp_path / "other.py").symlink_to("loop.py")
+    text = f"recipe: {{source: {recipe}}}\ntrain: {{max_steps: 5}}\n"
+    message = _errors(_spec(tmp_path, text), overrides)
+    assert f"{key} " in message and "loop.py': cannot follow it" in message, message
+    assert "leads back to itself" in message
 
 
 def test_missing_sections_are_named(tmp_path: Path) -> None:

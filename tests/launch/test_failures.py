@@ -6,6 +6,7 @@ test checks the exit code, the message, the checkpoints and that no process is l
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -444,3 +445,24 @@ def test_a_run_folder_deleted_mid_run_is_named_and_the_run_stops_with_a_checkpoi
     assert "no progress" not in output  # not taken for a hang
     assert f"Continue with: --resume {run_dir}" in output
     assert RunLayout(run_dir).latest_complete() is not None  # in the new folder
+
+
+@pytest.mark.launcher_only
+def test_the_failure_panel_shows_a_ranks_escape_codes_as_text(tmp_path: Path) -> None:
+    """A rank's traceback may carry anything (a tensor's name, a recipe's message): the panel
+    shows its control characters escaped, as the live display does."""
+    from rich.console import Console
+
+    from launcher.launch.failure_report import failure_panel
+
+    log = tmp_path / "rank-0.log"
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        '  File "recipe.py", line 3, in loss\n'
+        "KeyError: 'w\x1b]8;;https://evil.example\x07x\x1b[2J'\n"
+    )
+    console = Console(file=io.StringIO(), width=200, color_system=None, force_terminal=False)
+    console.print(failure_panel(0, "host", 1, log))
+    shown = console.file.getvalue()
+    assert "\x1b" not in shown and "\x07" not in shown, repr(shown)
+    assert "KeyError: 'w\\x1b]8;;https://evil.example\\x07x\\x1b[2J'" in shown, shown

@@ -349,3 +349,69 @@ def test_job_names_are_kubernetes_names() -> None:
     assert job_name("GPT_ddp.v2") == "gpt-ddp-v2"
     assert job_name("7b-run") == "run-7b-run"
     assert len(job_name("x" * 128)) == 40
+
+
+# --- what the operators set, malformed ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({**SKYPILOT, "SKYPILOT_NODE_IPS": " \n"}, "SKYPILOT_NODE_IPS=' \\n': expected on its"),
+        ({**SKYPILOT, "SKYPILOT_NODE_IPS": "10.0.0.5:22\n"}, "SKYPILOT_NODE_IPS='10.0.0.5:22\\n'"),
+        ({**SKYPILOT, "SKYPILOT_NUM_NODES": "two"}, "SKYPILOT_NUM_NODES='two'"),
+        ({**SKYPILOT, "SKYPILOT_NUM_NODES": "1:2"}, "SKYPILOT_NUM_NODES='1:2'"),
+        (
+            {**SKYPILOT, "SKYPILOT_NODE_RANK": "2"},
+            "SKYPILOT_NODE_RANK='2': expected this node's rank: 0 or more and below "
+            "SKYPILOT_NUM_NODES=2",
+        ),
+        ({**SKYPILOT, "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+        ({**PYTORCHJOB_V1, "WORLD_SIZE": "-1"}, "WORLD_SIZE='-1'"),
+        ({**PYTORCHJOB_V1, "RANK": "abc"}, "RANK='abc'"),
+        ({**PYTORCHJOB_V1, "MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
+        ({**PYTORCHJOB_V1, "MASTER_ADDR": "gpt master"}, "MASTER_ADDR='gpt master'"),
+        ({**PET, "PET_NNODES": "1:2:3"}, "PET_NNODES='1:2:3'"),
+        ({**PET, "PET_NODE_RANK": "9" * 5000}, "PET_NODE_RANK='9999"),  # past int()'s digits
+        ({**PET, "PET_NPROC_PER_NODE": "lots"}, "PET_NPROC_PER_NODE='lots'"),
+        ({**PET, "PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE='0'"),
+        ({**jobset_pod(PET_NNODES="4"), "JOB_COMPLETION_INDEX": "²"}, "JOB_COMPLETION_INDEX='²'"),
+    ],
+)
+def test_a_malformed_variable_is_refused_by_its_name(env: dict[str, str], named: str) -> None:
+    """Each was a traceback (IndexError, ValueError), or an error naming a flag nobody gave."""
+    with pytest.raises(UsageError) as refused:
+        resolve_nodes(env=env, fqdn=lambda: JOBSET_FQDN)
+    assert refused.value.message.startswith(named), refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("2", "²"), "--node-rank ²: expected 0 to 1"),
+        (("2", "0", "h:²"), "--rdzv-endpoint h:²"),
+    ],
+)
+def test_a_superscript_digit_in_a_flag_is_refused(flags: tuple[str, ...], named: str) -> None:
+    """str.isdigit() takes "²", which int() refuses: that was a ValueError's traceback."""
+    with pytest.raises(UsageError) as refused:
+        resolve_nodes(*flags, job_id="j", env={})
+    assert refused.value.message.startswith(named), refused.value.message
+
+
+def test_the_operators_own_words_and_addresses_are_taken() -> None:
+    assert resolve_nodes(env={**PET, "PET_NPROC_PER_NODE": "gpu"}).devices is None
+    assert resolve_nodes(env={**PET, "PET_NNODES": "2:4", "PET_NODE_RANK": "3"}).max == 4
+    ipv6 = resolve_nodes(env={**SKYPILOT, "SKYPILOT_NODE_IPS": "fd00::5\nfd00::6"})
+    assert ipv6.endpoint == "fd00::5:29500"
+
+
+@pytest.mark.timeout(60)
+def test_a_blank_skypilot_node_list_is_one_line_naming_it(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "run.yaml")
+    result = run_train(
+        ["--config", str(spec)], tmp_path, timeout=40, env={**SKYPILOT, "SKYPILOT_NODE_IPS": "\n"}
+    )
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr.startswith("error: SKYPILOT_NODE_IPS='\\n': expected"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

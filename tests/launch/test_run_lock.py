@@ -13,13 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.rundir.layout import RunLayout
 from tests.conftest import (
+    bare_spec,
     finish_train,
     run_train,
     start_train,
@@ -74,24 +74,13 @@ def _kill_launcher(proc: subprocess.Popen[str]) -> None:
     assert not alive, f"outlived their launcher: {alive}"
 
 
-def _spec(tmp_path: Path) -> RunSpec:
-    return RunSpec.model_validate(
-        {
-            "run": {"name": "exp", "output_dir": str(tmp_path / "runs")},
-            "launch": {"accelerator": "cpu"},
-            "recipe": {"source": "r.py"},
-            "train": {"max_steps": 1},
-        }
-    )
-
-
 def test_of_several_nodes_only_node_0_holds_the_lock(tmp_path: Path) -> None:
     node_0, node_1 = (Nodes(2, 2, rank, "node01:29500", "job7") for rank in (0, 1))
-    with prepare_run_dir(make_plan(_spec(tmp_path), nodes=node_0)):
+    with prepare_run_dir(make_plan(bare_spec(tmp_path), nodes=node_0)):
         with pytest.raises(UsageError, match=f"pid {os.getpid()} on host"):
-            prepare_run_dir(make_plan(_spec(tmp_path), nodes=node_0))
-        prepare_run_dir(make_plan(_spec(tmp_path), nodes=node_1)).release()  # joins, unlocked
-    prepare_run_dir(make_plan(_spec(tmp_path), nodes=node_0)).release()  # free again
+            prepare_run_dir(make_plan(bare_spec(tmp_path), nodes=node_0))
+        prepare_run_dir(make_plan(bare_spec(tmp_path), nodes=node_1)).release()  # joins, unlocked
+    prepare_run_dir(make_plan(bare_spec(tmp_path), nodes=node_0)).release()  # free again
 
 
 @pytest.mark.launcher_only
@@ -112,12 +101,12 @@ def test_a_folder_that_trained_is_refused_and_one_that_never_did_is_taken_over(
     (folder / "logs").mkdir(parents=True)
     (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     with pytest.raises(UsageError, match="already holds a run") as refused:
-        make_plan(_spec(tmp_path), run_dir=folder)
+        make_plan(bare_spec(tmp_path), run_dir=folder)
     assert "no checkpoint for --resume" in refused.value.render()
     # What a launcher writes before the first step, and no more, is no run: it is taken over.
     (folder / "metrics.jsonl").write_text("")
     (folder / "spec.yaml").write_text("{}")
     with pytest.raises(UsageError, match="already holds a run"):
-        make_plan(_spec(tmp_path), run_dir=folder)  # no lock file: a user's own spec.yaml
+        make_plan(bare_spec(tmp_path), run_dir=folder)  # no lock file: a user's own spec.yaml
     RunLayout(folder).lock.write_text("")
-    assert make_plan(_spec(tmp_path), run_dir=folder).run_dir == folder
+    assert make_plan(bare_spec(tmp_path), run_dir=folder).run_dir == folder

@@ -272,3 +272,20 @@ def test_a_value_that_would_break_out_of_its_sbatch_line_is_refused(
     result = run_train([*args, flag, value], cwd=tmp_path)
     usage_error(result, flag, "#SBATCH")
     assert "touch pwned\n" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("SLURM_NODEID", "x"),
+        ("SLURM_JOB_ID", "4242117_3"),
+        ("SLURM_STEP_NUM_NODES", "²"),
+        ("MASTER_PORT", "9" * 5000),
+        ("SLURM_STEP_NODELIST", "gpu[01-0x]"),
+        ("SLURM_STEP_NODELIST", "gpu[1-99999999]"),  # a typo, not 10**8 host names in memory
+    ],
+)
+def test_a_malformed_slurm_variable_is_refused_by_its_name(key: str, value: str) -> None:
+    with pytest.raises(UsageError) as refused:
+        resolve_nodes(env={**SRUN_ENV, key: value})
+    assert refused.value.message.startswith(f"{key}="), refused.value.message

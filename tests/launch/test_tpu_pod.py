@@ -19,6 +19,7 @@ from launcher.launch.tpu_pod import host_index
         ({"TPU_WORKER_ID": "2"}, 2),
         ({"CLOUD_TPU_TASK_ID": "1", "TPU_WORKER_ID": "2"}, 1),  # torch_xla's order
         ({"TPU_WORKER_ID": ""}, 0),
+        ({"TPU_WORKER_ID": "²", "CLOUD_TPU_TASK_ID": "9" * 5000}, 0),  # not numbers: ignored
         ({}, 0),
     ],
 )

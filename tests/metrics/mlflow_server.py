@@ -1,6 +1,7 @@
 """A real MLflow tracking server on loopback, its store a SQLite file: for the trackers' tests
 and bench/trackers_cost.py. Started as a team would (`mlflow server`), without MLflow's
-background job workers, which nothing here uses."""
+background job workers, which nothing here uses. A test may kill it midway (`kill_server`), as
+a server that crashed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ from tests.conftest import free_port
 def mlflow_server(folder: Path, startup_timeout: float = 90) -> Iterator[str]:
     """Runs `mlflow server` with its store in `folder`; yields its URL; ends it, and whatever
     it started, on the way out."""
+    with mlflow_server_process(folder, startup_timeout) as (url, _):
+        yield url
+
+
+def kill_server(server: subprocess.Popen) -> None:
+    """SIGKILLs the server and whatever it started, as a crash would."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+
+
+@contextlib.contextmanager
+def mlflow_server_process(
+    folder: Path, startup_timeout: float = 90
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As mlflow_server, yielding its process too (in a session of its own)."""
     port = free_port()
     command = [
         sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
@@ -35,14 +52,14 @@ def mlflow_server(folder: Path, startup_timeout: float = 90) -> Iterator[str]:
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_until_up(url, server, log_path, startup_timeout)
-            yield url
+            yield url, server
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # killed already
+                os.killpg(server.pid, signal.SIGTERM)
             try:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+                kill_server(server)
 
 
 def _wait_until_up(url: str, server: subprocess.Popen, log: Path, timeout: float) -> None:

@@ -194,4 +194,6 @@ def test_the_terminal_plot_names_where_a_value_was_not_finite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     draw_in_terminal(load_panels([_spiky_run(tmp_path)], ["loss"], "step", width=80), "step")
-    assert "loss: not finite (NaN or infinite) at step 40000" in capsys.readouterr().out
+    assert (
+        "loss: not finite (NaN, infinite or beyond ±1e300) at step 40000" in capsys.readouterr().out
+    )

@@ -6,6 +6,7 @@ any update, and rank 0 saves them."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from launcher.errors import UsageError
 from launcher.parallel.precision import cpu_has_fast_bf16
 from launcher.parallel.shard_units import shard_units
+from launcher.parallel.sharded_init import MetaBuildFailed, build_on_meta
 from tests.conftest import REPO, metrics_of, only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,6 +138,34 @@ def loss(model, batch):
     return nn.functional.mse_loss(model(batch[0]), batch[1])
 """
 
+# A model whose constructor reads a weight's value, which the meta device does not hold.
+READS_A_WEIGHT = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.scale = float(self.a.weight.abs().max().item())
+        if self.b.weight.sum() > 0:  # a branch on a weight's value
+            self.scale *= 2
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+def build_model():
+    return Scaled()
+
+def build_dataset(split):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+
+def loss(model, batch):
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+"""
+
 
 class Run(NamedTuple):
     initial: dict | None  # every parameter and buffer at the first loss call, whole
@@ -245,6 +276,55 @@ def test_auto_builds_on_cpu_where_the_init_leaves_a_buffer_unset(tmp_path: Path)
     assert meta.returncode == 2 and "Traceback" not in meta.output, meta.output
     assert "fsdp.init: meta: the model is built on the meta device, and its " in meta.output
     assert "initialisation left freqs unset" in meta.output and "fsdp.init: cpu" in meta.output
+
+
+def test_auto_builds_on_cpu_a_model_the_meta_device_cannot_build(tmp_path: Path) -> None:
+    (base := tmp_path / "scaled.py").write_text(READS_A_WEIGHT)
+    auto = _run(tmp_path / "auto", base, "fsdp")
+    assert auto.returncode == 0, auto.output
+    line = (
+        "fsdp.init: auto: the model cannot be built on the meta device (RuntimeError: "
+        "Tensor.item() cannot be called on meta tensors), so it is built as under fsdp.init: cpu"
+    )
+    assert line in auto.output
+    assert "every process builds the whole model on CPU as ddp does" in auto.output
+    assert _differ(_plain_build(base), auto.initial) == []
+
+
+def _reads_a_weight(layer: nn.Linear) -> float:
+    return float(layer.weight.abs().max().item())
+
+
+def _branches_on_a_weight(layer: nn.Linear) -> float:
+    return 1.0 if layer.weight.sum() > 0 else 2.0
+
+
+@pytest.mark.parametrize("read", [_reads_a_weight, _branches_on_a_weight], ids=["item", "if"])
+def test_a_constructor_that_reads_a_weight_fails_on_meta_naming_fsdp_init(
+    read: Callable[[nn.Linear], float],
+) -> None:
+    def build() -> nn.Module:
+        layer = nn.Linear(4, 4)
+        layer.scale = read(layer)
+        return layer
+
+    with pytest.raises(MetaBuildFailed) as failed:
+        build_on_meta(build)
+    assert failed.value.exit_code == 2
+    assert failed.value.message.startswith(
+        "fsdp.init: meta: the model cannot be built on the meta device (RuntimeError: "
+    )
+    assert "fsdp.init: cpu" in failed.value.hint
+    assert build_on_meta(lambda: nn.Linear(4, 4)).weight.is_meta
+
+
+def test_a_usage_error_of_the_recipe_passes_through_the_meta_build() -> None:
+    def build() -> nn.Module:
+        raise UsageError("recipe.model: bad keyword")
+
+    with pytest.raises(UsageError) as raised:
+        build_on_meta(build)
+    assert not isinstance(raised.value, MetaBuildFailed)
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,14 @@ def test_the_users_kwargs_reach_the_optimizer_on_cpu() -> None:
     )
     assert optimizer.defaults["foreach"] is False
     assert not optimizer.defaults.get("fused")
+
+
+def test_an_optimizer_that_refuses_the_groups_is_a_usage_error_naming_optim() -> None:
+    from launcher.errors import UsageError
+
+    groups = [{"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.1}]
+    groups.append({"params": [torch.nn.Parameter(torch.ones(2))]})
+    with pytest.raises(UsageError) as refused:
+        build_optimizer(OptimSection(name="LBFGS", lr=0.1), groups)
+    assert refused.value.message.startswith("optim: LBFGS refuses the run's 2 parameter groups")
+    assert "doesn't support per-parameter options" in refused.value.message

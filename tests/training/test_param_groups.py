@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from launcher.config.optim import OptimSection
+from launcher.errors import UsageError
+from launcher.worker.param_groups import group_parameters
+from launcher.worker.recipe import Recipe
 from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -184,6 +189,33 @@ def test_a_pattern_that_matches_nothing_names_close_names(tmp_path: Path) -> Non
     checked = run_train(["validate", "--config", str(good)], cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "85 parameters, 65 trainable in 3 optimizer groups" in checked.stdout
+
+
+def test_a_pattern_that_matches_only_frozen_parameters_is_refused(tmp_path: Path) -> None:
+    groups = [{"params": ["frozen.*"], "lr": 0.1}]
+    spec = _spec(tmp_path, RECIPE, "ddp", optim={"groups": groups})
+    expected = (
+        "optim.groups: group 1's pattern 'frozen.*' matches only frozen parameters",
+        "frozen.weight, frozen.bias: requires_grad=False",
+    )
+    usage_error(run_train(["validate", "--config", str(spec)], cwd=tmp_path), *expected)
+    usage_error(run_train(["--config", str(spec)], cwd=tmp_path), *expected)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"lr": -1.0}, "lr: must be 0 or more, got -1.0"),
+        ({"weight_decay": float("nan")}, "weight_decay: nan is not a number"),
+        ({"betas": (2.0, 0.9)}, "AdamW refuses betas=(2.0, 0.9): Invalid beta parameter"),
+    ],
+)
+def test_a_recipes_groups_are_held_to_the_same_values(settings: dict, expected: str) -> None:
+    module = ModuleType("recipe_under_test")
+    module.param_groups = lambda model: [{"params": model.parameters(), **settings}]  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match=r"recipe: param_groups\(\) group 1: ") as refused:
+        group_parameters(OptimSection(name="AdamW"), torch.nn.Linear(2, 1), Recipe("r.py", module))
+    assert expected in refused.value.message
 
 
 @pytest.mark.parametrize(

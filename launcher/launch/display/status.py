@@ -5,7 +5,6 @@ Telemetry lines are JSON objects written by the workers, e.g.
 "elapsed_s": 3.2, "attempt": 0}``. Any key may be missing and extra keys are ignored.
 """
 
-import json
 import math
 from collections.abc import Sequence
 from statistics import fmean
@@ -18,6 +17,7 @@ from rich.text import Text
 from launcher.launch.display.lines import rank_style
 from launcher.launch.ranks import format_ranks
 from launcher.metrics.telemetry import is_number
+from launcher.rundir.reading import parse_json_or_none
 
 FIELDS = (
     "step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt",
@@ -36,10 +36,7 @@ MAX_ROWS = 16
 
 def parse_telemetry(line: str) -> dict[str, float]:
     """The known numeric fields of one telemetry line; {} for a line that is not JSON."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return {}
+    record = parse_json_or_none(line)
     if not isinstance(record, dict):
         return {}
     return {key: record[key] for key in FIELDS if is_number(record.get(key))}

@@ -6,6 +6,7 @@ thread of a run that asks for them."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from launcher.config.spec import RunSpec
@@ -17,14 +18,25 @@ from launcher.rundir.layout import RunLayout
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
 
 
-def check_installed(trackers: list[str]) -> None:
-    """Refuses, before anything starts, a tracker whose package this environment lacks."""
+def check_trackers_usable(trackers: list[str]) -> None:
+    """Refuses, before anything starts, a tracker this environment cannot serve: its package
+    is not installed, or (W&B) the folder `WANDB_DIR` names cannot be written."""
     for tracker in trackers:
         package = EXTRAS.get(tracker)
         if package and importlib.util.find_spec(package) is None:
             raise UsageError(
                 f"log.trackers: {tracker} needs the {package} package, which is not installed",
                 hint=f"pip install 'launcher[{tracker}]', or take {tracker} out of log.trackers.",
+            )
+    wandb_dir = os.environ.get("WANDB_DIR")
+    if "wandb" in trackers and wandb_dir:
+        from launcher.metrics.trackers.wandb_run import unwritable
+
+        if (why := unwritable(Path(wandb_dir))) is not None:
+            raise UsageError(
+                f"WANDB_DIR={wandb_dir}: W&B cannot write there ({why})",
+                hint="Point WANDB_DIR at a folder you can write in, or unset it: W&B then "
+                "writes in the run folder (RUN_DIR/wandb/).",
             )
 
 

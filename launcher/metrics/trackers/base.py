@@ -1,12 +1,11 @@
 """What every experiment tracker shares as a sink of rank 0's background writer
-(`launcher.metrics.sinks`): it connects from the writer's thread, is sent each record's
+(`launcher.metrics.sinks`): it connects from its own thread, is sent each record's
 metrics once (a resume does steps again that an earlier attempt sent), and keeps its run's id
 and its newest step sent in trackers.json, so that a resumed or restarted run goes on with the
 same tracker run."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,10 @@ class TrackerSink:
     earlier run (`connect`), send metrics (`send`), flush, mark the run's end and disconnect."""
 
     name = "tracker"  # the tracker's name in log.trackers: also its warnings' and entry's
+    # A push at most once a second: a tracker's request per log line, a few ms each, would
+    # take that much CPU from training at every step of a fast run. The sink's thread flushes
+    # when its queue has been empty that long, so nothing waits longer than that.
+    flush_every = PUSH_EVERY_S
 
     def __init__(self, spec: RunSpec, run_dir: Path, records: TrackerRecords) -> None:
         self.spec = spec
@@ -52,7 +55,6 @@ class TrackerSink:
         self.records = records
         self.where = self.name  # until connected: then the server or folder
         self._sent = SentSteps({})  # until connected
-        self._pushed_at = -PUSH_EVERY_S
 
     def connect(self, earlier: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Opens the tracker's run: the one `earlier` (this tracker's trackers.json entry, of
@@ -78,7 +80,7 @@ class TrackerSink:
     def disconnect(self) -> None:
         """Closes what `connect` opened."""
 
-    # The Sink interface, called by the background writer's thread only.
+    # The Sink interface, called by this sink's own thread only.
 
     def start(self) -> None:
         earlier = self.records.get(self.name)
@@ -96,21 +98,13 @@ class TrackerSink:
             self._sent.sent(step, metrics)
 
     def flush(self) -> None:
-        # At most once a second: a tracker's request per log line, a few ms each, would take
-        # that much CPU from training at every step of a fast run. The writer calls flush
-        # again when it has been idle for a second, so nothing waits longer than that.
-        if time.monotonic() - self._pushed_at >= PUSH_EVERY_S:
-            self._push_now()
-
-    def _push_now(self) -> None:
         self.push()
-        self._pushed_at = time.monotonic()
         # After the tracker has them: a record of steps sent that it lost would skip them.
         self.records.update(self.name, **self._sent.fields())
         self.records.save()
 
     def end(self, outcome: RunEnd) -> None:
-        self._push_now()
+        self.flush()
         self.finish(outcome)
 
     def close(self) -> None:

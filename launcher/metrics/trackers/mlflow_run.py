@@ -3,7 +3,12 @@ names (MLflow's own default where unset), in the experiment `log.mlflow.experime
 or restarted run sets the same MLflow run RUNNING again and goes on logging to it.
 
 Everything goes through `MlflowClient` (no fluent API): the client keeps no process-wide active
-run, and it is only used from the background writer's thread."""
+run, and it is only used from this sink's own thread.
+
+MLflow's client waits 120 s for an answer and retries 7 times, minutes in all, before it says a
+server is gone: this sink sets shorter ones (`REQUEST_LIMITS`) where the environment sets none,
+so a dead or hung server is noticed in seconds. MLflow reads them from the environment at each
+request and has no setting of its own for one client, so rank 0's recipe sees them too."""
 
 from __future__ import annotations
 
@@ -19,6 +24,10 @@ _PARAMS_PER_BATCH = 100
 _METRICS_PER_BATCH = 1000
 _PARAM_LENGTH = 6000
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+# Seconds a request waits for an answer, and retries of a request that failed (the second
+# after 4 s): a server that does not answer is given up after about 20 s, one that refuses
+# connections after about 4 s.
+REQUEST_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
 
 
 class MlflowSink(TrackerSink):
@@ -28,6 +37,8 @@ class MlflowSink(TrackerSink):
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        for variable, value in REQUEST_LIMITS.items():
+            os.environ.setdefault(variable, value)
         uri = mlflow.get_tracking_uri()
         self.where = uri
         self.client = client = MlflowClient(uri)

@@ -1,0 +1,60 @@
+"""Pruning old checkpoints (`checkpoint.keep_last`), and finishing a pruning that was cut short.
+
+A pruned checkpoint is first unpublished, renamed atomically to a hidden `.step-N.deleting`
+folder (`CheckpointFiles.unpublished`), then deleted: a crash mid-delete never leaves a half
+checkpoint that still looks complete. A launcher killed between the two leaves that hidden
+folder behind, as large as a checkpoint; the next launcher of the run folder removes it once it
+holds the folder's lock, which says that no other live launcher prunes there. Torch-free: the
+launcher calls it before it starts a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from launcher.rundir.layout import CheckpointFiles, RunLayout
+from launcher.rundir.lock import RunLock
+
+
+def prune(layout: RunLayout, keep_last: int | None, protected: Iterable[int] = ()) -> None:
+    """Deletes the checkpoints the pruning rule (`RunLayout.prunable`) lets go."""
+    for old in layout.prunable(keep_last, protected):
+        unpublished = CheckpointFiles(old).unpublished
+        os.replace(old, unpublished)  # unpublished first, atomically
+        shutil.rmtree(unpublished, ignore_errors=True)
+
+
+def finish_cut_short(layout: RunLayout, lock: RunLock) -> str | None:
+    """Removes the `.step-N.deleting` folders a pruning left (and nothing else), when `lock`
+    is held; returns the line that says what it freed, if anything."""
+    if not lock.held:  # no flock here: another launcher may be deleting them right now
+        return None
+    freed, removed = 0, []
+    for folder in layout.cut_short_deletions():
+        size = _bytes_in(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            freed, removed = freed + size, [*removed, folder.name]
+    if not freed:
+        return None
+    return (
+        f"removed {', '.join(removed)} from {layout.checkpoints}: old checkpoints whose "
+        f"pruning was cut short ({freed / 2**20:,.1f} MB freed)"
+    )
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files under `folder`, links not followed."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                info = os.lstat(os.path.join(root, name))
+            except OSError:  # removed meanwhile
+                continue
+            total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    return total

@@ -4,6 +4,8 @@
 # Builds the dependencies of REQUIREMENTS once, in a cache outside the clone keyed by a hash of
 # what they install, then makes LINK (e.g. .venv) a thin venv of this clone that sees them and
 # holds an editable install of this package. A fresh clone then costs seconds, not a 7 GB download.
+# The dependencies' commands (tensorboard, mlflow, wandb, ...) are put in LINK/bin too, so
+# that `source LINK/bin/activate` puts them on the PATH beside `train`.
 set -euo pipefail
 link=$1 reqs=$2
 py=${PYTHON:-python3.11}
@@ -54,3 +56,28 @@ if [ ! -f "$stamp" ] || [ ! -x "$link/bin/python" ]; then
         --no-build-isolation -e .
     touch "$stamp"
 fi
+
+# The dependencies' commands in the thin venv's bin, run by its python (which sees them and this
+# package): a copy of each script with the venv's python in its first line, a link to a program
+# that is not a script (ruff). The venv's own files (python, activate, train) are kept; pip is
+# left out, as what it installed into the thin venv would go at its next rebuild. Run every
+# time, cheaply, so that a venv built before this step gets them too.
+bin=$(cd "$link/bin" && pwd)
+marker="# mkenv.sh: a copy of"
+for script in "$deps"/bin/*; do
+    name=$(basename "$script")
+    target="$bin/$name"
+    case $name in python* | pip* | activate* | Activate.ps1) continue ;; esac
+    if [ -e "$target" ] || [ -L "$target" ]; then
+        ours=$([ -L "$target" ] && readlink "$target" || sed -n 2p "$target")
+        case $ours in "$deps/bin/"* | "$marker "*) ;; *) continue ;; esac  # the venv's own
+    fi
+    first=$(LC_ALL=C head -n 1 "$script" | tr -d '\0')
+    if [ "$first" = "#!$deps/bin/python" ]; then
+        { echo "#!$bin/python"; echo "$marker $script"; tail -n +2 "$script"; } >"$target.tmp"
+        chmod +x "$target.tmp"
+        mv -f "$target.tmp" "$target"
+    else
+        ln -sfn "$script" "$target"
+    fi
+done

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import zipfile
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.checkpoint.export import read_tensors
 from launcher.checkpoint.format import first_problems, read_metadata
 from launcher.checkpoint.weights_source import KEY, WeightsSource, find_weights, safetensors_shapes
+from launcher.checkpoint.whole_model import read_tensors, tied_names
 from launcher.config.load import LoadSection
 from launcher.errors import UsageError
 from launcher.parallel.base import Strategy
-from launcher.parallel.wrapper_names import without_wrappers
+from launcher.parallel.wrapper_names import WRAPPER_ATTRIBUTES, without_wrappers
 from launcher.safe_text import clean
 
 _MODEL = "model."  # a checkpoint's model entries (not `optim.`, nor `ema.`)
@@ -92,7 +91,7 @@ def _match_on_main(source: WeightsSource, model: nn.Module, own: dict[str, Any])
     try:
         theirs, skipped = _source_shapes(source)
         ours = {name: tuple(t.shape) for name, t in own.items() if isinstance(t, torch.Tensor)}
-        match = match_names(theirs, ours, _tied(model), _noun(source))
+        match = match_names(theirs, ours, tied_names(model, WRAPPER_ATTRIBUTES), _noun(source))
     except UsageError as exc:
         return Match({}, 0, error=(exc.message, exc.hint))
     return Match(match.pairs, match.values, match.problems, skipped)
@@ -140,15 +139,6 @@ def _by_bare_name(names: dict[str, Any]) -> dict[str, str]:
                 f"{KEY}: {clean(other)} and {clean(name)} differ only by a wrapper's name"
             )
     return bare
-
-
-def _tied(model: nn.Module) -> dict[str, set[str]]:
-    """{a parameter's name: every name of the same tensor}, without wrappers, for the
-    parameters that have several."""
-    names: dict[int, set[str]] = defaultdict(set)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names[id(param)].add(without_wrappers(name))
-    return {name: group for group in names.values() if len(group) > 1 for name in group}
 
 
 def _source_shapes(source: WeightsSource) -> tuple[dict[str, tuple[int, ...]], list[str]]:

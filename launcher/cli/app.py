@@ -38,7 +38,10 @@ COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
     ),
     "slurm": (slurm_command, "print an sbatch script for a SLURM cluster"),
     "k8s": (k8s_command, "print a Kubernetes manifest: a Kubeflow PyTorchJob or a JobSet"),
-    "export": (export_command, "write a checkpoint's model as one .safetensors or .pt file"),
+    "export": (
+        export_command,
+        "write a checkpoint's model as one .safetensors or .pt file, or a Hugging Face folder",
+    ),
     "schema": (schema_command, "print the spec's JSON Schema, for editors"),
     "runs": (runs_command, "list the runs: status, steps, losses, checkpoints"),
     "plot": (plot_command, "draw runs' curves: a PNG, or in the terminal"),

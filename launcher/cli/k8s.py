@@ -67,7 +67,6 @@ def k8s_command(
             gpus_per_node,
             image,
             spec.run.name,
-            spec.run.output_dir,
             kind=kind.value,
             pvc=pvc,
             grace_period=grace_period,

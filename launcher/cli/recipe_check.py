@@ -33,6 +33,7 @@ from launcher.cli.model_checks import (
 from launcher.config.spec import RecipeSection, RunSpec
 from launcher.errors import UsageError
 from launcher.parallel.base import map_tensors
+from launcher.parallel.dims import resolve_dims
 from launcher.parallel.sharded_init import MetaBuildFailed, build_on_meta
 from launcher.parallel.tensor_parallel import check_plan
 from launcher.worker.data import (
@@ -45,6 +46,7 @@ from launcher.worker.data import (
     steps_per_epoch,
 )
 from launcher.worker.evaluation import stream_eval_batches
+from launcher.worker.loader_workers import checked_start
 from launcher.worker.param_groups import BOTH_GROUPINGS, group_parameters
 from launcher.worker.recipe import Recipe, load_recipe, users_traceback
 
@@ -57,7 +59,8 @@ def load_checked(spec: RunSpec, origin: str = "") -> Recipe:
     `origin`: where recipe.source came from (`launcher.config.sources`), for its errors."""
     recipe = load_recipe(spec.recipe.source, origin)
     check_arguments(recipe, spec.recipe)
-    if spec.optim.groups and recipe.param_groups_hook() is not None:
+    recipe.collate_hook()  # the hooks' signatures, refused as the workers would refuse them
+    if recipe.param_groups_hook() is not None and spec.optim.groups:
         raise UsageError(BOTH_GROUPINGS)
     return recipe
 
@@ -182,6 +185,8 @@ def _train_summary(recipe: Recipe, spec: RunSpec) -> tuple[str, Any]:
     what = "recipe: build_dataset('train')"
     dataset = _user_call(what, recipe.build_dataset, "train", **spec.recipe.dataset)
     collate = recipe.collate_hook()
+    # What the loader workers are sent, checked as their start will check it.
+    checked_start(spec.data, {"the train dataset": dataset, "the recipe's collate": collate})
     if is_stream(dataset):
         check_stream_limits(spec.train)
         # A stream has no sampler: the workers read it in order, as this does.
@@ -191,13 +196,17 @@ def _train_summary(recipe: Recipe, spec: RunSpec) -> tuple[str, Any]:
         batch = _check_batch(loader, what)
         return f"train stream (no length; train.max_steps={spec.train.max_steps})", batch
     devices = spec.launch.devices if isinstance(spec.launch.devices, int) else 1
-    # The workers' own loader, as rank 0 of `devices` sees it; worker processes would only
+    # Each data-parallel rank takes its own batch; a tensor-parallel group shares one.
+    ranks = resolve_dims(spec.parallel, spec.launch.strategy, devices, devices).dp_size
+    # The workers' own loader, as data-parallel rank 0 sees it; worker processes would only
     # make this slower.
     data = spec.data.model_copy(update={"num_workers": 0})
-    loader = build_loader(dataset, data, 0, devices, spec.run.seed, False, collate=collate)
+    loader = build_loader(dataset, data, 0, ranks, spec.run.seed, False, collate=collate)
     batch = _check_batch(loader, what)
     steps = steps_per_epoch(len(loader), spec.train.grad_accum_steps)
     shape = f"{devices} device{'s' if devices > 1 else ''} x {spec.data.batch_size}"
+    if ranks != devices:
+        shape = f"{ranks} data-parallel ranks of {devices} devices x {spec.data.batch_size}"
     if spec.train.grad_accum_steps > 1:
         shape += f" x {spec.train.grad_accum_steps} micro-steps"
     size = dataset_length(dataset, "train")
@@ -216,7 +225,7 @@ def _val_summary(recipe: Recipe, spec: RunSpec) -> str:
         summary = f"val stream ({stream_eval_batches(spec.eval.max_batches)} batches)"
     else:
         summary = f"val {dataset_length(dataset, 'val'):,} samples"
-    collate = collate_fn(recipe.collate_hook())
+    collate = collate_fn(recipe.collate_hook(), "val")
     _check_batch(DataLoader(dataset, batch_size=spec.data.batch_size, collate_fn=collate), what)
     return summary
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from launcher.cli.options import ConfigOpt, DebugOpt, Overrides, print_from_spec
+from launcher.launch.slurm import CPUS_PER_GPU
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -21,7 +22,14 @@ def slurm_command(
     time: Annotated[str | None, typer.Option(help="#SBATCH --time, e.g. 24:00:00.")] = None,
     account: Annotated[str | None, typer.Option(help="#SBATCH --account.")] = None,
     cpus_per_task: Annotated[
-        int | None, typer.Option(min=1, help="#SBATCH --cpus-per-task: CPU cores per node.")
+        int | None,
+        typer.Option(
+            min=0,
+            help="#SBATCH --cpus-per-task: CPU cores for each node's train, its processes and "
+            f"their DataLoader workers. Left out: {CPUS_PER_GPU} per GPU; 0: none asked for (the "
+            "cluster's default, one core).",
+            show_default=False,
+        ),
     ] = None,
     debug: DebugOpt = False,
 ) -> None:

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import math
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -114,11 +115,15 @@ class OptimSection(Section):
     )
     groups: list[dict[str, Any]] = Field(
         [],
-        description="Parameter groups with settings of their own, e.g. `[{params: ['*.bias', "
-        "'*norm*.weight'], weight_decay: 0.0}, {params: ['head.*'], lr: 1.0e-3}]`. `params` "
-        "matches the names of `named_parameters()` of the model the recipe builds, by glob; "
-        "a parameter joins the first group that matches it, and the others keep `lr` and "
-        "`kwargs`. The other keys are optimizer arguments (`lr` included), and the schedule "
+        description="Parameter groups with settings of their own, e.g. `[{params: ['*.bias'], "
+        "modules: [LayerNorm, Embedding], weight_decay: 0.0}, {name: head, params: ['head.*'], "
+        "lr: 1.0e-3}]`. `params` matches the names of `named_parameters()` of the model the "
+        "recipe builds, by glob; `modules` takes every parameter of a module (its submodules' "
+        "included) whose class, or a class it derives from, has one of these names; a group "
+        "takes what either selects. A parameter joins the first group that selects it, and the "
+        "others keep `lr` and `kwargs`. `name` (letters, digits, `_`, `.`, `-`) names the group "
+        "in the start line and its logged rate (`lr/<name>`; default `group<N>`, the rest "
+        "`other`). The other keys are optimizer arguments (`lr` included), and the schedule "
         "scales each group's `lr`. Frozen parameters (`requires_grad=False`) never reach the "
         "optimizer. A recipe's `param_groups(model)` replaces this key.",
     )
@@ -173,15 +178,8 @@ class OptimSection(Section):
     def _groups_fit(cls, groups: list[dict[str, Any]], info: ValidationInfo) -> list[dict]:
         for i, group in enumerate(groups):
             where = f"group {i + 1}: "
-            patterns = group.get("params")
-            if isinstance(patterns, str):
-                patterns = [patterns]
-            if not patterns or not all(isinstance(p, str) and p for p in patterns):
-                raise ValueError(
-                    f"{where}expected `params:` with one or more name patterns, e.g. "
-                    "{params: ['*.bias'], weight_decay: 0.0}"
-                )
-            options = {k: v for k, v in group.items() if k != "params"}
+            _check_selectors(group, where)
+            options = {k: v for k, v in group.items() if k not in GROUP_SELECTORS}
             _check_values(options, where)
             if not _skip_torch_checks(info):
                 name = info.data.get("name", "")
@@ -189,8 +187,12 @@ class OptimSection(Section):
                 if "kwargs" in info.data:  # kwargs the optimizer refuses are refused on their own
                     settings = {**info.data["kwargs"], **options}
                     _check_accepted(name, info.data.get("lr", 1e-3), settings, where)
+        names = [g["name"] for g in groups if "name" in g]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"two groups are named {repeated[0]!r}; give each its own name")
         return [
-            {**g, "params": [g["params"]] if isinstance(g["params"], str) else g["params"]}
+            {**g, **{k: [g[k]] for k in ("params", "modules") if isinstance(g.get(k), str)}}
             for g in groups
         ]
 
@@ -207,6 +209,42 @@ class OptimSection(Section):
                 f"got {self.decay_steps}"
             )
         return self
+
+
+# The keys of a group of `optim.groups` that choose its parameters or name it: the others are
+# optimizer settings.
+GROUP_SELECTORS = ("params", "modules", "name")
+# What the rest of the parameters, in no group of `optim.groups`, are named (`lr/other`).
+REST_GROUP = "other"
+
+
+def _check_selectors(group: dict[str, Any], where: str) -> None:
+    """`params` (name patterns) and `modules` (class names): one of them, each a name or a
+    list of names; `name`, if given, a name a metric can carry."""
+    chosen = {key: group.get(key) for key in ("params", "modules") if key in group}
+    listed = {k: [v] if isinstance(v, str) else v for k, v in chosen.items()}
+    if not chosen or not all(
+        isinstance(v, list) and v and all(isinstance(n, str) and n for n in v)
+        for v in listed.values()
+    ):
+        raise ValueError(
+            f"{where}expected `params:` with one or more name patterns, or `modules:` with one "
+            "or more module class names, e.g. {params: ['*.bias'], modules: [LayerNorm], "
+            "weight_decay: 0.0}"
+        )
+    problem = bad_group_name(group["name"]) if "name" in group else None
+    if problem:
+        raise ValueError(f"{where}{problem}")
+
+
+def bad_group_name(name: Any) -> str | None:
+    """What is wrong with `name` as a parameter group's name, or None: it names the group's
+    logged rate (`lr/<name>`), which every metrics sink must take."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        return f"name: expected letters, digits, '_', '.' or '-' (at most 64), got {name!r}"
+    if name == REST_GROUP:
+        return f"name: {REST_GROUP!r} names the parameters in no group; choose another"
+    return None
 
 
 # Settings that must not be negative, in `optim.kwargs` and each of `optim.groups`, as `optim.lr`

@@ -3,7 +3,7 @@ re-exports it). What they resolve to on a given world is `launcher.parallel.dims
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -37,3 +37,15 @@ class ParallelSection(Section):
         "parallel group share each batch, so `data.batch_size` stays per data-parallel rank "
         "(of which there are world / tp). fsdp only (it shards over the rest of the world).",
     )
+
+
+def strategy_takes(strategy: str, name: str, value: Any) -> bool:
+    """Whether `launch.strategy` takes `parallel.<name>: value` on some world (the degrees
+    against this world are `launcher.parallel.dims`'s check): fsdp takes every dimension; ddp
+    only replicas, whose number is the world's (as unset or `auto` says); the xla strategies
+    lay the model out themselves and take none."""
+    if strategy == "fsdp":
+        return True
+    if strategy == "ddp" and name == "dp_replicate":
+        return value in (None, "auto")
+    return value in (None, 1)

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel
 
 from launcher.config.loader import SpecLayers, validate_spec
+from launcher.config.parallel import strategy_takes
 from launcher.config.section import Section
 from launcher.config.sources import changed_keys, set_keys
 from launcher.config.spec import RunSpec
@@ -67,6 +68,7 @@ def spec_on_resume(
     for key, value, origin in layers.given:
         _set(raw, key, value)
         origins[key] = origin
+    origins.update(_drop_what_the_new_strategy_cannot_take(raw, recorded, origins))
     where = f"{layers.config or 'the checkpoint'} (resumed)"
     spec = validate_spec(raw, source=where, where=origins)
     before = RunSpec.model_validate(recorded)
@@ -76,6 +78,24 @@ def spec_on_resume(
     ]
     kept = {key: "as the run had it" for key in set_keys(spec) if key not in origins}
     return ResumedSpec(spec, {**kept, **origins}, changes, now)
+
+
+def _drop_what_the_new_strategy_cannot_take(
+    raw: dict[str, Any], recorded: dict[str, Any], origins: dict[str, str]
+) -> dict[str, str]:
+    """A strategy given now (a tp or HSDP run resumed as ddp) drops each stored `parallel` key
+    it cannot take, back to its default, unless that key is given now too; returns their
+    origins, so that each is said as a change."""
+    strategy, stored = _get(raw, "launch.strategy"), _get(raw, "parallel")
+    if "launch.strategy" not in origins or strategy == _get(recorded, "launch.strategy"):
+        return {}
+    dropped = {}
+    for name, value in list(stored.items() if isinstance(stored, dict) else ()):
+        key = f"parallel.{name}"
+        if key not in origins and not strategy_takes(strategy, name, value):
+            _delete(raw, key)
+            dropped[key] = f"dropped: launch.strategy {strategy} cannot take it"
+    return dropped
 
 
 def field_keys(model: type[BaseModel], prefix: str = "") -> list[str]:

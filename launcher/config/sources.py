@@ -126,7 +126,8 @@ def _source_of(key: str, sources: Mapping[str, str]) -> str | None:
 
 def _show(value: Any) -> str:
     """A value as YAML writes it in flow style (`true`, `null`, `{in_dim: 16}`); a long one
-    keeps its end, where a path has its file name."""
+    keeps its start, where a path has its root and a mapping its first keys, and its end,
+    where a path has its file name: `/home/alice/projects/llm/rec...recipes/gpt.py`."""
     text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
     text = text.removesuffix("\n...").removesuffix("...").strip()
-    return text if len(text) <= 48 else "..." + text[-45:]
+    return text if len(text) <= 48 else f"{text[:30]}...{text[-15:]}"

@@ -42,7 +42,10 @@ class RunSection(Section):
         "picks the newest run of this name.",
     )
     seed: int = Field(
-        0, description="Seeds python, numpy and torch on every rank, and the sampler."
+        0,
+        description="Seeds python, numpy and torch: the same on every rank for the weights and "
+        "the datasets, then each data-parallel rank's own for training (dropout, augmentation); "
+        "and the sampler.",
     )
     output_dir: str = Field(
         "runs", description="Folder that holds the runs, relative to the working directory."
@@ -107,6 +110,15 @@ class RecipeSection(Section):
 class DataSection(Section):
     batch_size: PositiveInt = Field(32, description="Samples per device per micro-step.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    worker_start: Literal["auto", "fork", "forkserver", "spawn"] = Field(
+        "auto",
+        description="How DataLoader workers start. `auto`: `forkserver` (`spawn` where the "
+        "platform has none), as Python 3.14 does: a process with threads (gloo's, the "
+        "launcher's) is not forked, so no worker inherits a lock another thread held, which "
+        "hangs it (CPython gh-112275, before 3.10.15 and 3.11.10). Each worker imports the "
+        "recipe file again and gets a copy of the dataset and `collate`, which must pickle. "
+        "`fork`: workers share the dataset's memory, nothing is pickled, at that risk.",
+    )
     shuffle: bool = Field(
         True,
         description="Reshuffle every epoch (seeded by `run.seed`); a stream (IterableDataset) "

@@ -62,9 +62,16 @@ def _run(plan: LaunchPlan, console: Console | None) -> tuple[Outcome, Ending]:
     view = NodeView(plan, console)
     config, argv = agent_config(plan, view.follow)
     _announce(plan, console)
-    with Reaper() as reaper:  # nothing the run starts outlives it
-        outcome = supervise(plan, AgentThread(config, argv), view, console, reaper.pid)
-        return outcome, _conclude(outcome, plan, console)
+    try:
+        with Reaper() as reaper:  # nothing the run starts outlives it
+            outcome = supervise(plan, AgentThread(config, argv), view, console, reaper.pid)
+            return outcome, _conclude(outcome, plan, console)
+    finally:
+        # The request has been answered: a stopped run's folder keeps no leftover of it. On
+        # several nodes another node's launcher may not have read it yet, so it stays for
+        # the next attempt's start (above) to remove.
+        if not plan.nodes.multi:
+            plan.layout.stop_request.unlink(missing_ok=True)
 
 
 def _announce(plan: LaunchPlan, console: Console) -> None:

@@ -3,14 +3,15 @@ JobSet, with the run folder on a ReadWriteMany volume (`train k8s`).
 
 Each pod runs the same `train --config ... --resume latest`; the node count, its rank and the
 rendezvous come from the operator's environment (`launcher.launch.kubernetes`), and the job's
-name names the run folder, so a restarted pod (or a restarted JobSet) continues the run.
+name names the run folder, so a restarted pod (or a restarted JobSet) continues the run. The
+volume is mounted at `/runs` in every pod and the run writes there (`run.output_dir=/runs`):
+the spec's own `output_dir` is a path of the machine that wrote the manifest.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import yaml
@@ -22,7 +23,7 @@ from launcher.errors import UsageError
 Kind = Literal["pytorchjob", "jobset"]
 DEFAULT_GRACE_PERIOD_S = 300
 DEFAULT_BACKOFF_LIMIT = 10
-RUNS_MOUNT = "/runs"  # where the volume goes when the spec's output_dir is relative
+RUNS_MOUNT = "/runs"  # where the volume goes in every pod, and the run's output_dir there
 PYTORCHJOB_PORT = 23456  # the training operator's default port, named pytorchjob-port
 _NOT_IN_NAME = re.compile(r"[^a-z0-9-]+")
 _CONTROLLER = {"pytorchjob": "Kubeflow's training operator", "jobset": "the JobSet controller"}
@@ -34,7 +35,8 @@ _HEADER = """\
 # Apply it with:  kubectl apply -f {name}.yaml
 # ({needs} must run in the cluster).
 #
-# The run folder is {folder}/{run}/{name} on the PersistentVolumeClaim {pvc}.
+# The run folder is {folder}/{run}/{name} on the PersistentVolumeClaim {pvc}, mounted at
+# {folder} in every pod (run.output_dir={folder}, whatever the spec says on this machine).
 # The claim must be ReadWriteMany (NFS, CephFS, EFS, Filestore, Azure Files...): every pod
 # writes the same checkpoints. Before the first step, train checks that every node sees the
 # run folder, and stops (exit 2) if one does not.
@@ -70,7 +72,6 @@ def manifest(
     gpus_per_node: int,
     image: str,
     run_name: str,
-    output_dir: str,
     *,
     kind: Kind = "pytorchjob",
     pvc: str | None = None,
@@ -82,12 +83,11 @@ def manifest(
     (unless `pvc` names an existing one) and the job. Every value is data for the YAML
     writer; those Kubernetes restricts are checked first (`UsageError`, naming the flag or
     key)."""
-    _check_inputs(image, run_name, output_dir, pvc)
+    _check_inputs(image, run_name, pvc)
     name = job_name(run_name)
-    mount = output_dir if PurePosixPath(output_dir).is_absolute() else RUNS_MOUNT
     claim = pvc or f"{name}-runs"
-    command = _command(config, gpus_per_node, output_dir, mount, extra_args or [])
-    pod = _pod(command, image, gpus_per_node, claim, mount, grace_period, kind)
+    command = _command(config, gpus_per_node, extra_args or [])
+    pod = _pod(command, image, gpus_per_node, claim, RUNS_MOUNT, grace_period, kind)
     job = (
         _pytorchjob(name, nodes, pod, backoff_limit)
         if kind == "pytorchjob"
@@ -101,7 +101,7 @@ def manifest(
         gpus=gpus_per_node,
         needs=_CONTROLLER[kind],
         name=name,
-        folder=_in_comment(mount, "run.output_dir"),
+        folder=RUNS_MOUNT,
         pvc=claim,
         config=_in_comment(config, "the path the command gives"),
         grace=grace_period,
@@ -110,17 +110,16 @@ def manifest(
     return header + yaml.safe_dump_all(documents, sort_keys=False, explicit_start=True)
 
 
-def _command(
-    config: str, gpus_per_node: int, output_dir: str, mount: str, extra_args: list[str]
-) -> list[str]:
-    """Every pod's command, as a list: the YAML writer quotes each argument as it must."""
+def _command(config: str, gpus_per_node: int, extra_args: list[str]) -> list[str]:
+    """Every pod's command, as a list: the YAML writer quotes each argument as it must. The
+    run writes on the volume; an override of `run.output_dir` given to `train k8s` names a
+    folder of this machine, and is left out."""
     args = ["--accelerator", "gpu", "--devices", str(gpus_per_node), "--resume", "latest"]
-    if mount != output_dir:  # a relative output_dir would be relative to the image's folder
-        args.append(f"run.output_dir={mount}")
-    return ["train", "--config", config, *args, *extra_args]
+    overrides = [a for a in extra_args if a.partition("=")[0].strip() != "run.output_dir"]
+    return ["train", "--config", config, *args, f"run.output_dir={RUNS_MOUNT}", *overrides]
 
 
-def _check_inputs(image: str, run_name: str, output_dir: str, pvc: str | None) -> None:
+def _check_inputs(image: str, run_name: str, pvc: str | None) -> None:
     """What Kubernetes (or a pod's command line) cannot take, refused by the flag or key that
     gave it."""
     if pvc is not None and not (len(pvc) <= 253 and _DNS_1123_SUBDOMAIN.fullmatch(pvc)):
@@ -141,13 +140,6 @@ def _check_inputs(image: str, run_name: str, output_dir: str, pvc: str | None) -
         raise UsageError(
             f"run.name {echo(run_name)}: the job is named after it, so use letters, digits, '.', "
             "'_' and '-', starting with a letter or digit"
-        )
-    if PurePosixPath(output_dir).is_absolute() and not output_dir.isprintable():
-        raise UsageError(
-            f"run.output_dir {echo(output_dir)}: it is the volume's mountPath in every pod, which "
-            "cannot hold a newline or another control character",
-            hint="Give an absolute path of printable characters, or a relative one (the "
-            f"volume then goes at {RUNS_MOUNT}).",
         )
 
 

@@ -68,12 +68,16 @@ class LaunchPlan:
 
     def worker_env(self) -> dict[str, str]:
         """Settings of the libraries in the workers' processes (OpenMP's threads, glibc's
-        allocator, XLA's device count), on top of the launcher's environment, which wins for
-        the defaults so a user's setting is kept. Never read by the worker's own code: that
-        reads its plan (`worker_plan`)."""
+        allocator, XLA's device count, MLflow's logging), on top of the launcher's environment,
+        which wins for the defaults so a user's setting is kept. Never read by the worker's own
+        code: that reads its plan (`worker_plan`)."""
         env = {
             "OMP_NUM_THREADS": str(self.omp_threads),
             **worker_env(self.spec.launch.strategy, self.accelerator),
+            # MLflow's INFO lines (its database's set-up, ...) would fill the live stream;
+            # --debug brings them back, as it does the elastic agent's. MLflow reads it as
+            # it is imported, by the tracker's sink or by the recipe.
+            **({} if self.debug else {"MLFLOW_LOGGING_LEVEL": "WARNING"}),
         }
         env = {k: os.environ.get(k, v) for k, v in env.items()}
         return env | self.devices.env  # the device count is the plan's, not a leftover's

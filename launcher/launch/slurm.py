@@ -121,6 +121,12 @@ def _number(env: Mapping[str, str], key: str) -> int:
     return int(env[key])
 
 
+# CPU cores the script asks for per GPU, unless told otherwise: the GPU's process and its
+# DataLoader workers (a node of 8 GPUs: 64 cores, of a DGX H100's 112 or a DGX A100's 128).
+# Without a request SLURM gives a task one core, where the node's 8 processes and all their
+# workers would then run.
+CPUS_PER_GPU = 8
+
 _SCRIPT = """#!/bin/bash
 {header}
 
@@ -212,7 +218,11 @@ def sbatch_script(
 ) -> str:
     """A batch script that runs `train` on `nodes` nodes and survives preemption and the time
     limit: SLURM's SIGTERM makes every rank save a checkpoint (train exits 143), the job
-    requeues itself, and the requeued job (same job id, same run folder) resumes there."""
+    requeues itself, and the requeued job (same job id, same run folder) resumes there.
+    `cpus_per_task`: the node's one task's CPU cores; None: `CPUS_PER_GPU` for each GPU; 0:
+    none asked for (the cluster's default, often one core)."""
+    if cpus_per_task is None:
+        cpus_per_task = CPUS_PER_GPU * gpus_per_node
     _check_values(config, name, partition, time, account, extra_args or [])
     train = shlex.join(
         ["train", "--config", config, "--accelerator", "gpu", "--devices", str(gpus_per_node)]

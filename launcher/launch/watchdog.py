@@ -4,6 +4,9 @@ ranks that have made no progress for `launch.stall_timeout` seconds, with where 
 Times are the launcher's own clock, taken when a record is seen, so clocks of other machines
 never matter. A rank that is stuck shows where in its Python stack: the watchdog sends it
 SIGUSR2, and faulthandler (registered by the worker) writes every thread's stack into its log.
+A rank whose stack is in torch's DataLoader waiting for a batch is waiting for one of its
+DataLoader worker processes, which is named as such: the stack's innermost frame (a pipe's
+`select`) would say nothing of it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from launcher.rundir.reading import read_log_tail
 # faulthandler's header of the thread that handled the signal, then its innermost frame.
 _CURRENT = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):$", re.MULTILINE)
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+# The frames of a DataLoader iterator waiting for a batch from its worker processes.
+_LOADER_WAIT = re.compile(r'/torch/utils/data/dataloader\.py", line \d+ in _(try_)?get_data$', re.M)
 
 
 # /proc states of a process that runs nothing until it is continued (`T`, `t`).
@@ -55,6 +60,7 @@ class Stall:
     idle_s: float
     where: str | None  # innermost Python frame, e.g. "recipe.py:12 in loss"
     stopped: bool = False  # by SIGSTOP (or a debugger): it runs no code, so it says nothing
+    loader_wait: bool = False  # waiting for a batch from a DataLoader worker process
 
 
 class Watchdog:
@@ -81,14 +87,16 @@ class Watchdog:
         """A stop was asked for `asked_s` seconds ago: every rank finishes the step it is in,
         saves and stops. The ranks, if one of them has not finished that step within `grace_s`
         or 4 of its slowest steps: it is hung, and nothing will be saved. Catches a hung run
-        at Ctrl-C without waiting for the stall timeout. Only for a rank in a step whose step
-        time is known (two steps seen): one saving or evaluating has the stall timeout."""
+        at Ctrl-C without waiting for the stall timeout. Only for a rank whose pace is known
+        (two steps seen) in a step or in an evaluation past its first batch (it beats after
+        every batch); one saving, or before its first evaluation batch (workers start, XLA
+        compiles), has the stall timeout."""
         self._update()
         asked_at = time.monotonic() - asked_s
         late = any(
             s.gaps >= 2  # its step time is known
             and s.beat is not None
-            and not s.beat.busy  # saving or evaluating takes as long as it takes
+            and (not s.beat.busy or s.beat.evaluating)  # a save takes as long as it takes
             and s.seen < asked_at
             and asked_s > max(grace_s, 4 * s.longest_gap)
             for s in self.ranks.values()
@@ -114,16 +122,11 @@ class Watchdog:
         idle = {r: now - s.seen for r, s in self.ranks.items()}
         stalled = [r for r, t in idle.items() if t > idle_s]
         self._request_stacks(stalled)
-        return [
-            Stall(
-                r,
-                self._step(r),
-                idle[r],
-                innermost_frame(self.layout.log(r)),
-                self._stopped(r),
-            )
-            for r in stalled
-        ]
+        stalls = []
+        for r in stalled:
+            where, loader_wait = where_in_stack(self.layout.log(r))
+            stalls.append(Stall(r, self._step(r), idle[r], where, self._stopped(r), loader_wait))
+        return stalls
 
     def _stopped(self, rank: int) -> bool:
         beat = self.ranks[rank].beat
@@ -171,16 +174,18 @@ def _size(path: Path) -> int:
         return -1
 
 
-def innermost_frame(log_file: Path) -> str | None:
-    """Where the thread that took the last SIGUSR2 was, from faulthandler's dump in the log."""
+def where_in_stack(log_file: Path) -> tuple[str | None, bool]:
+    """The innermost frame of the thread that took the last SIGUSR2 (faulthandler's dump in
+    the log), and whether that thread waits in a DataLoader for a batch from its workers."""
     log = read_log_tail(log_file)
     dumps = list(_CURRENT.finditer(log))
     if not dumps:
-        return None
-    frame = _FRAME.search(log, dumps[-1].end())
-    if frame is None:
-        return None
-    return f"{frame['file']}:{frame['line']} in {frame['func']}"
+        return None, False
+    end = log.find("\n\n", dumps[-1].end())  # faulthandler ends each thread's stack so
+    stack = log[dumps[-1].end() : end if end >= 0 else len(log)]
+    frame = _FRAME.search(stack)
+    where = f"{frame['file']}:{frame['line']} in {frame['func']}" if frame else None
+    return where, _LOADER_WAIT.search(stack) is not None
 
 
 def describe(stall: Stall) -> str:
@@ -191,6 +196,11 @@ def describe(stall: Stall) -> str:
             "stopped (SIGSTOP, or a debugger holds it) and runs nothing until SIGCONT"
         )
     where = stall.where or "stack unknown"
+    if stall.loader_wait:
+        return (
+            f"rank {stall.rank}: no progress for {stall.idle_s:.0f} s {step}, waiting for a "
+            f"DataLoader worker (data.num_workers), at {where}"
+        )
     waiting = "site-packages/torch" in where or "/torch/" in where
     note = " (waiting inside torch, likely for another rank)" if waiting else ""
     return f"rank {stall.rank}: no progress for {stall.idle_s:.0f} s {step}, at {where}{note}"

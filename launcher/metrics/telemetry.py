@@ -3,7 +3,8 @@
 Workers write (paths: `launcher.rundir.layout`):
 - their status records (telemetry/rank-N.jsonl), each with its pid: the live table;
 - their heartbeat (telemetry/rank-N.beat), one short line rewritten in place after every step
-  and save (`step beats pid start busy`, `Beat`): what the launcher's hang watchdog follows;
+  and save (`step beats pid start busy`, `Beat`; busy: 0, 1 saving, 2 evaluating): what the
+  launcher's hang watchdog follows;
 - a failure record (telemetry/rank-N.failed) when they fail: the root cause;
 - rank 0's metrics averaged over all ranks (metrics.jsonl), and its timings (summary.json,
   the same size at any run length: `launcher.metrics.step_times`); each metrics record also
@@ -51,6 +52,7 @@ class Beat(NamedTuple):
     pid: int  # of the process: another one is a restart
     start: int  # the step this process started training from; -1 while it builds and restores
     busy: bool = False  # saving or evaluating: between steps, for as long as that takes
+    evaluating: bool = False  # busy evaluating: it beats after every batch
 
     @property
     def stepped(self) -> bool:
@@ -63,7 +65,7 @@ def read_beat(path: Path) -> Beat | None:
     """A heartbeat file's record, or None while there is none."""
     try:
         step, beats, pid, start, busy = (read_head(path, 256) or b"").split()
-        return Beat(int(step), int(beats), int(pid), int(start), busy == b"1")
+        return Beat(int(step), int(beats), int(pid), int(start), busy != b"0", busy == b"2")
     except ValueError:
         return None
 
@@ -110,10 +112,12 @@ class Telemetry:
         if self._sinks is not None:
             self._sinks.wait_started()
 
-    def beat(self, step: int, busy: bool = False) -> None:
-        """The heartbeat: alive, and step `step` is done; `busy`: saving or evaluating."""
+    def beat(self, step: int, busy: bool = False, evaluating: bool = False) -> None:
+        """The heartbeat: alive, and step `step` is done; `busy`: saving or evaluating,
+        `evaluating`: busy evaluating (a beat after every batch)."""
         self._beats += 1
-        record = f"{step:>12} {self._beats:>12} {os.getpid():>10} {self._start:>12} {busy:d}\n"
+        state = 2 if evaluating else int(busy)
+        record = f"{step:>12} {self._beats:>12} {os.getpid():>10} {self._start:>12} {state}\n"
         os.pwrite(self._beat, record.encode(), 0)
 
     def start_from(self, step: int) -> None:

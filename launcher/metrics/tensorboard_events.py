@@ -14,7 +14,9 @@ protobuf `Event`; the first holds only `file_version`, the others a `Summary` of
     Summary { repeated Value value = 1; }
     Value   { string tag = 1; float simple_value = 2; }
 
-Torch-free. TensorBoard's own reader reads them back in the tests.
+`read_scalars` reads the scalars of such files back, ours or any writer's that stores them
+as `simple_value` (torch's `SummaryWriter.add_scalar`), without TensorBoard. Torch-free.
+TensorBoard's own reader reads our files back in the tests.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from launcher.rundir.reading import open_regular
 
 FILE_VERSION = "brain.Event:2"
 # TensorBoard loads every file whose name holds "tfevents"; this is the name its writers use.
@@ -137,3 +141,90 @@ class EventWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+class DamagedEventFile(ValueError):
+    """An event file whose records do not pass their checksums."""
+
+
+def read_scalars(path: Path | str) -> list[tuple[int, str, float]]:
+    """Every scalar of an event file, or of every event file of a folder (a run's `tb/`, where
+    a resume adds a file), as `(step, tag, value)` sorted by step, then tag. A record cut short
+    at a file's end (a run still writing, or killed) is left out; one that fails its checksum
+    raises `DamagedEventFile`; a path that is neither a regular file nor a folder,
+    `FileNotFoundError`."""
+    path = Path(path)
+    files = sorted(path.glob("*tfevents*")) if path.is_dir() else [path]  # as TensorBoard
+    found = [scalar for file in files for scalar in _file_scalars(file)]
+    return sorted(found, key=lambda scalar: scalar[:2])
+
+
+def _file_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
+    for record in _records(path):
+        event = dict(_fields(record))  # Event: step = 2, summary = 5
+        step = _signed(event.get(2, 0))
+        summary = event.get(5, b"")
+        for number, value in _fields(summary if isinstance(summary, bytes) else b""):
+            scalar = dict(_fields(value)) if number == 1 and isinstance(value, bytes) else {}
+            tag, simple_value = scalar.get(1), scalar.get(2)  # Value: tag = 1, simple_value = 2
+            if isinstance(tag, bytes) and isinstance(simple_value, bytes):
+                yield step, tag.decode(errors="replace"), struct.unpack("<f", simple_value)[0]
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    """The data of each whole TFRecord of the file, its checksums checked."""
+    with open_regular(path) as file:
+        if file is None:
+            raise FileNotFoundError(f"{path}: not a regular file")
+        while len(header := file.read(12)) == 12:
+            length, length_crc = struct.unpack("<QI", header)
+            if masked_crc32c(header[:8]) != length_crc:
+                raise DamagedEventFile(f"{path}: a record's length fails its checksum")
+            data, crc = file.read(length), file.read(4)
+            if len(data) < length or len(crc) < 4:
+                return  # cut short at the end
+            if masked_crc32c(data) != struct.unpack("<I", crc)[0]:
+                raise DamagedEventFile(f"{path}: a record fails its checksum")
+            yield data
+
+
+def _fields(message: bytes) -> Iterator[tuple[int, bytes | int]]:
+    """A protobuf message's fields in order, as (number, value): an int for a varint, bytes
+    otherwise (a length-delimited field's payload, a fixed field's little-endian bytes). A
+    `dict` of them keeps a field's last value, as protobuf does for a field given twice."""
+    at = 0
+    while at < len(message):
+        key, at = _read_varint(message, at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _read_varint(message, at)
+            yield number, value
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            yield number, message[at : at + size]
+            at += size
+        elif wire == 2:
+            size, at = _read_varint(message, at)
+            yield number, message[at : at + size]
+            at += size
+        else:
+            raise DamagedEventFile(f"a protobuf field of wire type {wire}, which events never use")
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data):
+            raise DamagedEventFile("a protobuf varint runs past its message")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            return value, at
+
+
+def _signed(value: int | bytes) -> int:
+    """An int64 read as a varint: its two's complement back to a negative number."""
+    if not isinstance(value, int):
+        return 0
+    return value - (1 << 64) if value >= 1 << 63 else value

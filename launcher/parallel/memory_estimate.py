@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from launcher.config.fsdp import FSDPSection
 from launcher.metrics.memory import local_bytes, optimizer_bytes, size_text
@@ -198,11 +199,32 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         return FSDPMemTracker(model, optimizer)
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    tracker = _MemTrackerWithFrozen()
     tracker.track_external(model, optimizer)
     return tracker
+
+
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
+class _MemTrackerWithFrozen(MemTracker):
+    """torch's `MemTracker`, for models with frozen parameters. It hooks the gradient of every
+    parameter of a module it meets, and torch refuses a hook on a tensor that does not
+    require grad (`RuntimeError: cannot register a hook ...`). A frozen parameter never gets
+    a gradient, so it is given handles with nothing behind them, which the tracker skips
+    hooking and removes on exit as it does its own."""
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        for param in module.parameters():
+            if not param.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
 
 def _kinds(tracker: Any, kinds: tuple[str, ...]) -> Iterator[int]:

@@ -1,4 +1,12 @@
-"""Seeding, saving and restoring every random number generator a training process uses."""
+"""Seeding, saving and restoring every random number generator a training process uses.
+
+Two seeds per run: every process builds the model's weights and the datasets from `run.seed`
+itself (`launcher.parallel.weight_init`), so replicas start identical; then each trains from
+`rank_seed(run.seed, dp_rank)`, so that data-parallel ranks draw different dropout masks and
+augmentations, while the processes of one tensor-parallel group, which share a batch, draw the
+same ones. DataLoader workers are seeded apart (`launcher.worker.data`), also per data-parallel
+rank.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +18,24 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
+    """Seeds python's `random`, numpy's global generator and torch's (CPU and every CUDA
+    device) with `seed`."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rank_seed(seed: int, dp_rank: int, reseeded_at: int = 0) -> int:
+    """The seed of data-parallel rank `dp_rank`'s training streams in a run seeded `seed`
+    (from step `reseeded_at` on, where a resume could not continue the saved streams).
+
+    numpy's `SeedSequence` hashes the pair, so the streams of ranks 0, 1, ... are independent
+    of each other, of the streams of runs seeded `seed + 1`, ... (`seed + rank` would give run
+    1's rank 0 the streams of run 0's rank 1), and of the stream the weights were drawn from.
+    A 63-bit value: what torch, numpy (`seed_everything` reduces it) and XLA take."""
+    key = (dp_rank, reseeded_at) if reseeded_at else (dp_rank,)
+    sequence = np.random.SeedSequence(seed % 2**64, spawn_key=key)  # a negative seed too
+    return int(sequence.generate_state(1, np.uint64)[0] >> 1)
 
 
 def rng_state() -> dict[str, Any]:

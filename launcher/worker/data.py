@@ -17,6 +17,8 @@ from torch.utils.data import (
 
 from launcher.config.spec import DataSection, TrainSection
 from launcher.errors import UsageError
+from launcher.worker.loader_workers import worker_options
+from launcher.worker.recipe import collate_takes_split
 
 
 class ResumableSampler(DistributedSampler):
@@ -75,7 +77,7 @@ def build_feed(
     seed: int,
     pin_memory: bool,
     devices_per_process: int = 1,
-    collate: Callable[[list[Any]], Any] | None = None,
+    collate: Callable[..., Any] | None = None,
 ) -> Any:
     """This process's batches of the train split: an `EpochFeed`, or a `StreamFeed` for a
     stream (`launcher.worker.stream`). Both give the loop the same methods. `collate`: the
@@ -90,13 +92,15 @@ def build_feed(
     check_stream_limits(train)
     batch = data.batch_size * devices_per_process
     share = StreamShare(dataset, rank, world_size, repeat=True, batch=batch)  # type: ignore[arg-type]
+    tagged = TaggedCollate(collate_fn(collate, "train") or default_collate)
     loader = DataLoader(
         share,
         batch_size=batch,
         num_workers=data.num_workers,
-        collate_fn=TaggedCollate(collate_fn(collate) or default_collate),
+        collate_fn=tagged,
         pin_memory=pin_memory,
         generator=torch.Generator().manual_seed(seed * 1_000_003 + rank),
+        **worker_options(data, {"the train dataset": share, "the recipe's collate": tagged}),
     )
     return StreamFeed(loader, share, max(1, data.num_workers), world_size)
 
@@ -109,7 +113,7 @@ def build_loader(
     seed: int,
     pin_memory: bool,
     devices_per_process: int = 1,
-    collate: Callable[[list[Any]], Any] | None = None,
+    collate: Callable[..., Any] | None = None,
 ) -> DataLoader:
     """This process's loader: `data.batch_size` samples for each device it drives, collated
     by the recipe's `collate` where it has one."""
@@ -129,18 +133,20 @@ def build_loader(
         seed=seed,
         drop_last=data.drop_last,
     )
+    collated = collate_fn(collate, "train")
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=data.num_workers,
         drop_last=data.drop_last,
-        collate_fn=collate_fn(collate),
+        collate_fn=collated,
         pin_memory=pin_memory,
         # Workers restart each epoch and are seeded by start_epoch(), so a resumed epoch's
         # workers get the same seeds as the original's (persistent ones would keep old seeds).
         persistent_workers=False,
         generator=torch.Generator(),
+        **worker_options(data, {"the train dataset": dataset, "the recipe's collate": collated}),
     )
 
 
@@ -226,15 +232,16 @@ def _leading_sizes(batch: Any, path: str) -> Iterator[tuple[str, int]]:
 
 class Collate:
     """A recipe's `collate(samples)` as a DataLoader's collate_fn (a class, not a closure, so
-    that it can be pickled into worker processes). Its batch must count the samples it was
-    given (`batch_size`), which epoch positions, throughput and the exact evaluation mean
-    rely on."""
+    that it can be pickled into worker processes), given the split by name where it takes
+    one (`collate(samples, split)`). Its batch must count the samples it was given
+    (`batch_size`), which epoch positions, throughput and the exact evaluation mean rely on."""
 
-    def __init__(self, hook: Callable[[list[Any]], Any]) -> None:
-        self.hook = hook
+    def __init__(self, hook: Callable[..., Any], split: str = "train") -> None:
+        self.hook, self.split = hook, split
+        self.takes_split = collate_takes_split(hook)
 
     def __call__(self, samples: list[Any]) -> Any:
-        batch = self.hook(samples)
+        batch = self.hook(samples, split=self.split) if self.takes_split else self.hook(samples)
         if isinstance(batch, Mapping) and not isinstance(batch, dict):
             batch = dict(batch)  # a tokenizer's BatchEncoding: moved to the device as a dict
         counted = batch_size(batch)
@@ -249,10 +256,10 @@ class Collate:
         return batch
 
 
-def collate_fn(hook: Callable[[list[Any]], Any] | None) -> Collate | None:
-    """The DataLoader's collate_fn for a recipe's collate hook; None (torch's default_collate)
-    where the recipe has none."""
-    return None if hook is None else Collate(hook)
+def collate_fn(hook: Callable[..., Any] | None, split: str = "train") -> Collate | None:
+    """The DataLoader's collate_fn of `split` ("train" or "val") for a recipe's collate hook;
+    None (torch's default_collate) where the recipe has none."""
+    return None if hook is None else Collate(hook, split)
 
 
 def steps_per_epoch(batches: int, accum: int) -> int:

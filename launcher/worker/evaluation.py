@@ -17,9 +17,9 @@ the mean is over the samples read, as each batch counts them (`batch_size`).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -28,6 +28,7 @@ from launcher.config.spec import RunSpec
 from launcher.errors import RunError, UsageError
 from launcher.parallel.base import Strategy
 from launcher.worker.data import batch_size, collate_fn, dataset_length, is_stream
+from launcher.worker.loader_workers import worker_options
 from launcher.worker.recipe import Recipe
 from launcher.worker.stream import StreamShare
 
@@ -39,19 +40,12 @@ class Evaluator:
         world, rank = strategy.dp_size, strategy.dp_rank
         self.batch = spec.data.batch_size * strategy.devices_per_process
         self.seed = spec.run.seed * 1_000_003 + rank
-        loader = functools.partial(
-            DataLoader,
-            num_workers=spec.data.num_workers,
-            collate_fn=collate_fn(recipe.collate_hook()),
-            pin_memory=strategy.device.type == "cuda",
-            generator=torch.Generator(),  # its seeds never come from the training streams
-        )
         limit = spec.eval.max_batches
         self.weights: list[int] | None = None  # a stream's batches weigh their own size
         if is_stream(dataset):
             self.stream_batches = stream_eval_batches(limit)
             share = StreamShare(dataset, rank, world, repeat=False)
-            self.loader = loader(share, batch_size=self.batch)
+            self.loader = self._loader(spec, share, batch_size=self.batch)
             return
         size = _same_everywhere(dataset_length(dataset, "val"), strategy)
         sampler = DistributedSampler(
@@ -66,7 +60,24 @@ class Evaluator:
             max(0, min(real - i * self.batch, share - i * self.batch, self.batch))
             for i in range(batches)
         ]
-        self.loader = loader(dataset, batch_sampler=_RealBatches(sampler, self.batch, self.weights))
+        batcher = _RealBatches(sampler, self.batch, self.weights)
+        self.loader = self._loader(spec, dataset, batch_sampler=batcher)
+
+    def _loader(self, spec: RunSpec, split: Any, **batching: Any) -> DataLoader:
+        """The val split's loader: the recipe's collate told it is "val", workers as
+        `data.worker_start` says."""
+        collated = collate_fn(self.recipe.collate_hook(), "val")
+        return DataLoader(
+            split,
+            num_workers=spec.data.num_workers,
+            collate_fn=collated,
+            pin_memory=self.strategy.device.type == "cuda",
+            generator=torch.Generator(),  # its seeds never come from the training streams
+            **batching,
+            **worker_options(
+                spec.data, {"the val dataset": split, "the recipe's collate": collated}
+            ),
+        )
 
     def run(self, model: torch.nn.Module, step: int, alive: Callable[[], None]) -> dict[str, float]:
         """Collective: the split's mean of every metric, as `val/<name>`, the same on every

@@ -8,9 +8,11 @@ counts every matmul and convolution as it goes, for any model, strategy and devi
 nothing of the recipe's that the step would not call anyway (compiled code runs eagerly under
 the counter, for that one micro-batch). A resumed run keeps the count its checkpoint holds when
 its batches have the same shapes, so that its steps are those of a run that never stopped.
-Under activation checkpointing the recomputed forward counts too. Ops that do a model's heavy
-work but have no formula in the counter (a CPU LSTM's `mkldnn_rnn_layer`, the CPU's fused
-attention) are named in one line, once: the count leaves their work out.
+Under activation checkpointing the recomputed forward counts too. The CPU's fused attention
+(`_scaled_dot_product_flash_attention_for_cpu`), which the counter has no formula for, is
+counted by torch's own formula for its GPU siblings. Ops that do a model's heavy work but have
+no formula in the counter (a CPU LSTM's `mkldnn_rnn_layer`) are named in one line, once: the
+count leaves their work out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from launcher.metrics.flop_rate import flop_rate_text
 from launcher.parallel.base import map_tensors
 from launcher.worker.recipe import Recipe
 
@@ -55,13 +58,30 @@ def peak_flops(device_name: str | None, precision: str, tf32: bool) -> float | N
 def count_flops(recipe: Recipe, model: torch.nn.Module, batch: Any) -> int:
     """FLOPs of one micro-batch's forward and backward through the recipe's loss, on `model`
     built on the meta device, where nothing is computed (the benchmarks' count)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     meta_batch = map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         loss, _ = recipe.loss(model, meta_batch)
         loss.backward()
     return int(counter.get_total_flops())
+
+
+def flop_counter() -> Any:
+    """torch's `FlopCounterMode`, silent, with formulas for the CPU's fused attention: its
+    forward and backward take the arguments of the GPU kernels' (query, key, value first;
+    the gradient of the output before them backward), whose formulas torch has."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    cpu_attention = {
+        aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+            flop_counter.sdpa_backward_flop
+        ),
+    }
+    # Those formulas are registered wrapped (shapes in place of tensors); the mapping wraps
+    # what it is given, so it is given them unwrapped.
+    mapping = {op: formula.__wrapped__ for op, formula in cpu_attention.items()}
+    return flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def shapes_of(batch: Any) -> list[list[int]]:
@@ -101,8 +121,6 @@ class Speed:
             self._counted(restored["flops_per_micro_batch"], shapes, restored.get("uncounted", []))
             yield
             return
-        from torch.utils.flop_counter import FlopCounterMode
-
         # Compiled code under a dispatch mode would be skipped for good; forced eager for this
         # micro-batch, it compiles at the next one, as it would have at this one.
         # The ops the counter runs in the end (it decomposes those it has no formula for into
@@ -110,7 +128,7 @@ class Speed:
         with (
             torch.compiler.set_stance("force_eager"),
             _OpsRun() as ran,
-            FlopCounterMode(display=False) as counter,
+            flop_counter() as counter,
         ):
             yield
         uncounted = _uncounted(ran.ops, counter.flop_registry)
@@ -201,9 +219,8 @@ def uncounted_note(flops: int, uncounted: list[str]) -> str | None:
 def describe(fields: dict[str, float]) -> str:
     """The log line's part: ` | 39.1 TFLOP/s | MFU 39.6% | mem 12.3/14.0 GiB`."""
     text = ""
-    if "tflops_per_device" in fields:
-        tflops = fields["tflops_per_device"]
-        text += f" | {tflops:.1f} TFLOP/s" if tflops >= 10 else f" | {tflops:.3g} TFLOP/s"
+    if "tflops_per_device" in fields:  # a CPU's in GFLOP/s or MFLOP/s, not 3.51e-05 TFLOP/s
+        text += f" | {flop_rate_text(fields['tflops_per_device'])}"
     if "mfu" in fields:
         text += f" | MFU {100 * fields['mfu']:.1f}%"
     if "max_memory_allocated_gib" in fields:

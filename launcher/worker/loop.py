@@ -17,6 +17,7 @@ from launcher.metrics import memory
 from launcher.metrics.sinks import RunEnd, build_sinks
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy
+from launcher.parallel.rng import rank_seed
 from launcher.parallel.weight_init import WeightInit
 from launcher.rundir.layout import RunLayout
 from launcher.worker.data import batch_size, build_feed, steps_per_epoch, total_steps
@@ -24,7 +25,7 @@ from launcher.worker.ema import WeightAverage
 from launcher.worker.evaluation import Evaluator
 from launcher.worker.flops import Speed
 from launcher.worker.metrics_window import MetricsWindow
-from launcher.worker.optim import build_optimizer, build_scheduler, group_settings, scheduled_lr
+from launcher.worker.optim import build_optimizer, build_scheduler, group_settings, rates_used
 from launcher.worker.param_groups import group_parameters
 from launcher.worker.profiling import StepProfiler
 from launcher.worker.recipe import Recipe
@@ -136,6 +137,10 @@ class Trainer:
         memory per device (GPU runs), kept in summary.json beside the measured peak."""
         for part, size in (memory_estimate or {}).items():
             self.memory[f"estimated_{part}"] = size
+        # The weights and datasets, alike on every rank, were built from the run's seed: from
+        # here each data-parallel rank draws its own numbers (dropout, a collate's mixup), the
+        # processes of a tensor-parallel group the same ones; a resume restores them as saved.
+        self.strategy.seed(rank_seed(self.spec.run.seed, self.strategy.dp_rank))
         if self.resume_from is not None:
             restore(
                 self.resume_from, self.checkpointer, self.state, self.strategy, self.spec,
@@ -228,8 +233,8 @@ class Trainer:
         assert self.evaluator is not None
         step = self.progress.step
         started = time.perf_counter()
-        self.telemetry.beat(step, busy=True)
-        alive = lambda: self.telemetry.beat(step, busy=True)  # noqa: E731
+        self.telemetry.beat(step, busy=True)  # until its first batch: workers start, XLA compiles
+        alive = lambda: self.telemetry.beat(step, busy=True, evaluating=True)  # noqa: E731
         metrics = self.evaluator.run(self.model, step, alive)
         if self.average is not None:
             with self.average.swapped_in():
@@ -320,7 +325,7 @@ class Trainer:
             window,
             self.progress.step,
             self.progress.epoch,
-            scheduled_lr(self.spec.optim, self.scheduler),
+            rates_used(self.spec.optim, self.scheduler, self.grouping.names()),
             self.state.nonfinite.device_record(),
             receive_own=self.state.nonfinite.note,
         )

@@ -9,9 +9,9 @@ With `xla_spawn` in its plan, the worker instead starts the replicas itself thro
 (one per TPU device, or just one), and each replica redirects its own output the same way.
 
 A SIGTERM from anyone but the launcher (SLURM preemption and scancel signal every process of
-the job) asks for the same graceful stop as the launcher's stop file; see stop_on_outside_sigterm.
-Programs a worker starts get SIGTERM unblocked again, and whatever it starts ends with the run:
-the launcher's reaper ends every process of the run once the launcher has ended.
+the job) asks for the same graceful stop as the launcher's stop file (`launcher.worker.sigterm`).
+Whatever a worker starts ends with the run: the launcher's reaper ends every process of the run
+once the launcher has ended.
 """
 
 from __future__ import annotations
@@ -19,17 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
 
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
-from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
+from launcher.worker.sigterm import stop_on_outside_sigterm
 
 
 def redirect_output(log_file: Path) -> None:
@@ -77,98 +73,6 @@ def dump_stacks_on_request() -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
-REPEAT_WINDOW_S = SIGTERM_REPEAT_WINDOW_S  # a module attribute: tests shorten it
-_sigterm_lock = threading.Lock()
-_sigterm_taken = False
-
-
-def stop_on_outside_sigterm(run_dir: Path, launcher_pid: int) -> None:
-    """A SIGTERM from outside (slurmstepd on preemption or scancel signals every process of
-    the job step, workers included) touches the stop file, so that every rank finishes its
-    step and saves, as when the launcher asks. A SIGTERM from the launcher (its elastic agent
-    stops the workers because a peer failed: a graceful stop would hang in a collective with
-    the dead peer) or from this process's parent, or a second one, ends it at once by
-    signal 15, as before.
-
-    Python's signal handlers are not told who sent a signal; sigwaitinfo is. So SIGTERM stays
-    blocked in every thread and one thread takes it. Call this before any other thread
-    starts: a thread inherits the mask of the thread that started it.
-    """
-    global _sigterm_taken
-    if not hasattr(signal, "sigwaitinfo"):  # macOS: SIGTERM keeps its default action
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    with _sigterm_lock:  # XLA replicas can call this from a thread per device
-        if _sigterm_taken:
-            return
-        _sigterm_taken = True
-    _start_programs_with_sigterm_unblocked()
-    _start_sigterm_thread(run_dir, launcher_pid, quiet=False)
-    # A forked child (a DataLoader worker) inherits the blocked mask but not the thread: it
-    # gets its own. Quiet: its training process got the same signal and says so. It must not
-    # simply die either: under SLURM its death would fail the training process's loader
-    # ("DataLoader worker ... is killed by signal: Terminated") before the checkpoint is saved.
-    os.register_at_fork(
-        after_in_child=lambda: _start_sigterm_thread(run_dir, launcher_pid, quiet=True)
-    )
-
-
-def _start_programs_with_sigterm_unblocked() -> None:
-    """A program started from here (a recipe's `subprocess.Popen`) would inherit SIGTERM
-    blocked, since exec keeps the signal mask, and ignore a plain `kill`. CPython starts
-    programs through vfork or posix_spawn, which run no at-fork hook, so the thread that
-    starts one unblocks SIGTERM for that moment. A SIGTERM arriving just then (while the
-    program starts) takes its default action and ends this process by signal 15, as the
-    launcher's does, even one from outside. Forked children
-    (DataLoader workers) and multiprocessing's spawned ones (XLA replicas) are not started
-    this way: they keep SIGTERM blocked and take it as this process does."""
-    start = subprocess.Popen._execute_child  # type: ignore[attr-defined]
-
-    def unblocked(popen: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
-        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        try:
-            start(popen, *args, **kwargs)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-    subprocess.Popen._execute_child = unblocked  # type: ignore[attr-defined]
-
-
-def _start_sigterm_thread(run_dir: Path, launcher_pid: int, quiet: bool) -> None:
-    def take() -> None:
-        stopping_since: float | None = None
-        while True:
-            sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-            if sender in (launcher_pid, os.getppid()):
-                _die_by_sigterm()
-            if stopping_since is not None:
-                if time.monotonic() - stopping_since > REPEAT_WINDOW_S:
-                    _die_by_sigterm()
-                continue
-            try:
-                RunLayout(run_dir).stop_request.touch()
-            except OSError:  # no way to ask the others: stop as if it were the launcher's
-                _die_by_sigterm()
-            stopping_since = time.monotonic()
-            if not quiet:
-                print(
-                    f"SIGTERM from pid {sender} (not the launcher): "
-                    "finishing this step, saving and stopping",
-                    flush=True,
-                )
-
-    threading.Thread(target=take, name="sigterm", daemon=True).start()
-
-
-def _die_by_sigterm() -> NoReturn:
-    # raise() signals this thread alone, which no longer blocks it, so the other threads'
-    # masks cannot hold it off; the default action ends the process by signal 15, which the
-    # agent and the launcher's failure report understand.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    signal.raise_signal(signal.SIGTERM)
-    os._exit(128 + signal.SIGTERM)  # someone installed a SIGTERM handler, and it returned
-
-
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     plan = _parse(argv)
@@ -199,37 +103,6 @@ def _end_children() -> None:
         child.terminate()
     for child in children:
         child.join(timeout=10)
-
-
-# The first CPython release of each line without gh-112275 (3.12 never had it).
-_FORK_HANG_FIXED_IN = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
-
-
-def forked_workers_may_hang(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
-    """Whether this CPython can leave a forked child (a DataLoader worker) hung for good as it
-    starts: the child waits on the lock of the interpreter's thread list when another thread
-    held it at the fork, and C++ threads take that lock, without the GIL, whenever they enter
-    Python (gloo's threads do, as they free a collective's tensors). Python code cannot keep
-    other threads off that lock, so no fork hook here can help: only a fixed CPython does."""
-    fixed_in = _FORK_HANG_FIXED_IN.get(tuple(version[:2]))
-    return sys.implementation.name == "cpython" and fixed_in is not None and version < fixed_in
-
-
-def warn_of_fork_hang(
-    num_workers: int, version: tuple[int, ...] = tuple(sys.version_info[:3])
-) -> None:
-    """Says so once (on rank 0) when the run forks DataLoader workers on such a CPython: the
-    hang is rare and stops the run on launch.stall_timeout with nothing else to explain it."""
-    if num_workers and forked_workers_may_hang(version):
-        python = ".".join(str(part) for part in version[:3])
-        print(
-            # Not "DataLoader worker": that is how torch says one died, and tests look for it.
-            f"WARNING: data.num_workers: Python {python} can leave a forked loader process hung "
-            "as it starts (CPython bug gh-112275, fixed in 3.10.15 and 3.11.10); the run then "
-            "stops on launch.stall_timeout. Use a newer Python, or data.num_workers: 0",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def _own_rank(plan: WorkerPlan) -> int:
@@ -283,6 +156,7 @@ def _train(plan: WorkerPlan) -> int:
     from launcher.errors import LauncherError
     from launcher.metrics.telemetry import record_failure
     from launcher.parallel.build import build_strategy
+    from launcher.worker.loader_workers import warn_of_fork_hang
     from launcher.worker.loop import Trainer
     from launcher.worker.recipe import load_recipe
 
@@ -292,7 +166,7 @@ def _train(plan: WorkerPlan) -> int:
     try:
         spec = plan.run_spec()
         if _own_rank(plan) == 0:
-            warn_of_fork_hang(spec.data.num_workers)
+            warn_of_fork_hang(spec.data)
         strategy = build_strategy(spec, plan.accelerator, plan.compile_cache)
         strategy.setup()
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -97,10 +97,17 @@ def build_scheduler(
     return LambdaLR(optimizer, lambda step: lr_factor(optim, step, total_steps))
 
 
-def scheduled_lr(optim: OptimSection, scheduler: LambdaLR) -> float:
-    """The learning rate the schedule gives `optim.lr` for the next update (each group's
-    own `lr` is scaled alike): the `lr` that is logged."""
-    return optim.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+def rates_used(optim: OptimSection, scheduler: LambdaLR, names: list[str]) -> dict[str, float]:
+    """The learning rates of the update `scheduler` last stepped past, as they are logged:
+    `lr`, `optim.lr` as the schedule scaled it, and where the groups' own rates differ, each
+    group's as `lr/<name>` (`names`: the groups', in the optimizer's order)."""
+    update = scheduler.last_epoch - 1  # the scheduler steps after each update: 1-based here
+    rates = {"lr": optim.lr * scheduler.lr_lambdas[0](update)}
+    if len(set(scheduler.base_lrs)) > 1:
+        # The expression LambdaLR gave the update: each group's rate, bit for bit.
+        each = zip(names, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        rates.update({f"lr/{name}": base * factor(update) for name, base, factor in each})
+    return rates
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -9,11 +9,13 @@ and may define
 for evaluation on the `val` split (default: `loss`), each metric a mean over the batch, and
 `state_dict() -> obj` / `load_state_dict(obj)` for state of its own that a checkpoint must keep
 (tensors, numbers, strings, lists and dicts of them), and
-  param_groups(model) -> list of torch param-group dicts
-for the optimizer's parameter groups (instead of `optim.groups`), and
-  collate(samples) -> batch
+  param_groups(model[, optim]) -> list of torch param-group dicts
+for the optimizer's parameter groups (instead of `optim.groups`; `optim`: the run's optimizer
+settings, `launcher.worker.param_groups.OptimSettings`), and
+  collate(samples[, split]) -> batch
 to make one batch of a list of samples (`build_dataset` items) for train, val and streamed
-batches alike, in DataLoader workers too (default: torch's `default_collate`), e.g. padding
+batches alike (`split`, when it takes one by that name: "train" or "val"), in DataLoader
+workers too (default: torch's `default_collate`), e.g. padding
 sequences to the longest with a mask. Its batch must count the samples it was given: the
 leading dimension its tensors share, or, where they share none (a packed batch), a dict
 batch's `"num_samples": len(samples)` (an int, left in the batch the loss gets); see
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
@@ -91,11 +94,33 @@ class Recipe:
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()  # type: ignore[operator]
 
-    def param_groups_hook(self) -> Callable[[torch.nn.Module], Any] | None:
-        """The recipe's optional `param_groups(model)`: the optimizer's groups, as torch's
-        param-group dicts (`launcher.worker.param_groups`)."""
+    def param_groups_hook(self) -> Callable[[torch.nn.Module, Any], Any] | None:
+        """The recipe's optional `param_groups(model)` or `param_groups(model, optim)`: the
+        optimizer's groups, as torch's param-group dicts (`launcher.worker.param_groups`),
+        called here as `(model, optim)` whichever it takes. `optim` is given by name, as
+        collate's `split` is: another optional parameter (`decay=0.8`) keeps its default."""
         hook = getattr(self.module, "param_groups", None)
-        return hook if callable(hook) else None
+        if not callable(hook):
+            return None
+        try:
+            signature = inspect.signature(hook)
+        except (TypeError, ValueError):  # not inspectable (written in C): called as always
+            return lambda model, optim: hook(model)
+        wanted = signature.parameters.get("optim")
+        by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        takes_optim = wanted is not None and wanted.kind in by_name
+        try:
+            signature.bind(None, **({"optim": None} if takes_optim else {}))
+        except TypeError:
+            raise UsageError(
+                f"{self.source}: param_groups{signature} must take the model, and may take the "
+                "run's optimizer settings by name: param_groups(model) or "
+                "param_groups(model, optim)",
+                hint="docs/recipes.md#parameter-groups-and-the-optimizer",
+            ) from None
+        if takes_optim:
+            return lambda model, optim: hook(model, optim=optim)
+        return lambda model, optim: hook(model)
 
     def parallelize_hook(self) -> Callable[[torch.nn.Module, Any], Any] | None:
         """The recipe's optional `parallelize(model, mesh)`: its tensor-parallel plan, applied
@@ -103,9 +128,10 @@ class Recipe:
         hook = getattr(self.module, "parallelize", None)
         return hook if callable(hook) else None
 
-    def collate_hook(self) -> Callable[[list[Any]], Any] | None:
-        """The recipe's optional `collate(samples)`, which makes a batch of a list of samples;
-        None: torch's default_collate (`launcher.worker.data.collate_fn`)."""
+    def collate_hook(self) -> Callable[..., Any] | None:
+        """The recipe's optional `collate(samples)` or `collate(samples, split)`, which makes a
+        batch of a list of samples (`split`: "train" or "val", `collate_takes_split`); None:
+        torch's default_collate (`launcher.worker.data.collate_fn`)."""
         hook = getattr(self.module, "collate", None)
         if not callable(hook) and callable(getattr(self.module, "collate_fn", None)):
             # DataLoader's name for it: ignored, it would leave the batches unpadded.
@@ -114,7 +140,21 @@ class Recipe:
                 "collate(samples)",
                 hint="Rename it collate (docs/recipes.md#collate-padding-a-batch).",
             )
-        return hook if callable(hook) else None
+        if not callable(hook):
+            return None
+        try:
+            signature = inspect.signature(hook)
+        except (TypeError, ValueError):  # not inspectable (written in C): called as always
+            return hook
+        try:
+            signature.bind([], **({"split": "train"} if collate_takes_split(hook) else {}))
+        except TypeError:
+            raise UsageError(
+                f"{self.source}: collate{signature} must take the list of samples, and may "
+                "take the split by name: collate(samples) or collate(samples, split)",
+                hint="docs/recipes.md#collate-padding-a-batch",
+            ) from None
+        return hook
 
     def state_dict(self) -> Any:
         """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
@@ -141,6 +181,19 @@ class Recipe:
             return dict(out)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         return {"loss": loss, **metrics}
+
+
+def collate_takes_split(hook: Callable[..., Any]) -> bool:
+    """Whether a recipe's collate takes the split: it has a parameter named `split`, which is
+    given by name ("train" or "val"). By name, so that an optional parameter of another
+    meaning (`collate(samples, pad_to=8)`) is never given the split."""
+    try:
+        parameters = inspect.signature(hook).parameters
+    except (TypeError, ValueError):
+        return False
+    split = parameters.get("split")
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return split is not None and split.kind in by_name
 
 
 def load_recipe(source: str, origin: str = "") -> Recipe:
@@ -228,12 +281,7 @@ def _import(source: str, origin: str) -> ModuleType:
             raise UsageError(f"recipe.source: {source} does not exist", hint=_relative_to(origin))
         # A recipe may import its sibling modules, as a script would.
         sys.path.insert(0, str(path.parent))
-        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+        return _exec_file(f"recipe_{path.stem}", str(path))
     # Workers run with `python -m`, which puts the working directory on sys.path; a console
     # script does not, and `train validate` must import what the workers will.
     if os.getcwd() not in sys.path:
@@ -247,3 +295,32 @@ def _import(source: str, origin: str) -> ModuleType:
                 hint="Give a path to a .py file, or a module importable from the working directory.",
             ) from None
         raise
+
+
+# The recipe files this process imported, by module name: a loader worker started by
+# forkserver or spawn imports them again before it unpickles the dataset and collate, whose
+# classes and functions live in them (`launcher.worker.loader_workers`).
+_RECIPE_FILES: dict[str, str] = {}
+
+
+def _exec_file(name: str, path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _RECIPE_FILES[name] = path
+    return module
+
+
+def recipe_files() -> list[tuple[str, str]]:
+    """(module name, path) of every recipe file imported here, in the order of import."""
+    return list(_RECIPE_FILES.items())
+
+
+def import_recipe_file(name: str, path: str) -> None:
+    """Imports a recipe file under the name the training process gave it, unless it is
+    already imported here. A worker's sys.path is its training process's (multiprocessing
+    sends it), which holds the recipe's folder."""
+    if name not in sys.modules:
+        _exec_file(name, path)

@@ -71,12 +71,14 @@ class Reporter:
         window: MetricsWindow,
         step: int,
         epoch: int,
-        lr: float,
+        rates: dict[str, float],
         own: torch.Tensor,
         receive_own: Callable[[list[float]], None],
     ) -> None:
-        """The window's means over every replica, read without stalling the device. `own`
-        (this rank's values, not reduced) rides along; `receive_own` gets their host values."""
+        """The window's means over every replica, read without stalling the device. `rates`:
+        the learning rates step `step` used (`lr`, and `lr/<group>` where groups differ).
+        `own` (this rank's values, not reduced) rides along; `receive_own` gets their host
+        values."""
         local = window.mean()
         names = list(local)
         reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names]))
@@ -88,14 +90,14 @@ class Reporter:
 
         def report(host: list[float]) -> None:
             mean = dict(zip(names, host[: len(names)], strict=True))
-            self._report(mean, host[len(names)], step, epoch, lr, per_step)
+            self._report(mean, host[len(names)], step, epoch, rates, per_step)
             receive_own(host[len(names) + 1 :])
 
         self.strategy.read(values, report)
 
     def _report(
-        self, mean: dict[str, float], own_loss: float, step: int, epoch: int, lr: float,
-        per_step: float,
+        self, mean: dict[str, float], own_loss: float, step: int, epoch: int,
+        rates: dict[str, float], per_step: float,
     ) -> None:  # fmt: skip
         rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
         total = self.total_steps
@@ -106,10 +108,10 @@ class Reporter:
             **speed,
         )  # fmt: skip
         rate *= self.strategy.replicas
-        self.telemetry.metrics(step=step, epoch=epoch, lr=lr, samples_per_s=rate, **mean, **speed)
+        self.telemetry.metrics(step=step, epoch=epoch, **rates, samples_per_s=rate, **mean, **speed)
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self.say(
-            f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {lr:.2e} | "
+            f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {rates['lr']:.2e} | "
             f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
             + describe(speed)
         )

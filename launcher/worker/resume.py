@@ -9,6 +9,7 @@ from typing import Any
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
+from launcher.parallel.rng import rank_seed
 from launcher.worker.optim import apply_after_load
 from launcher.worker.state import TrainState
 
@@ -47,7 +48,7 @@ def restore(
     if same_world:
         return
     # Saved with another world size: per-rank streams cannot continue; reseed them.
-    strategy.seed(spec.run.seed + state.progress.step + strategy.dp_rank)
+    strategy.seed(rank_seed(spec.run.seed, strategy.dp_rank, state.progress.step))
     meta = checkpoint.read_meta(path)
     say(
         f"resuming on {_ranks(strategy.world_size, strategy.tp_degree)} "

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from launcher.checkpoint.export import export, resolve_source, write_state_dict
+from launcher.checkpoint.export import export, write_state_dict
+from launcher.checkpoint.whole_model import resolve_source
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from recipes.mlp import build_model

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.checkpoint.export import load_model_state
 from launcher.checkpoint.weights import match_names
+from launcher.checkpoint.whole_model import load_model_state
 from launcher.parallel.rng import seed_everything
 from launcher.rundir.layout import RunLayout
 from recipes.mlp import build_model

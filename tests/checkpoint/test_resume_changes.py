@@ -10,10 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config.loader import read_layers
+from launcher.config.loader import cli_layers, read_layers
 from launcher.config.resume import spec_on_resume
 from launcher.config.spec import RunSpec
-from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.conftest import (
+    metrics_of,
+    only_run_dir,
+    run_train,
+    tiny_gpt,
+    usage_error,
+    write_spec,
+)
 
 BASE = {
     "run": {"name": "t"},
@@ -100,6 +107,39 @@ def test_a_bad_value_given_on_resume_is_refused_naming_it(tmp_path: Path) -> Non
     assert "optim.lr (override optim.lr=fast): expected a number" in info.value.render()
 
 
+TP_AND_HSDP = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+ALL_DROPPED = {"parallel.dp_replicate": None, "parallel.dp_shard": None, "parallel.tp": 1}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "overrides", "dropped"),
+    [
+        ("ddp", [], ALL_DROPPED),
+        (None, ["launch.strategy=xla"], ALL_DROPPED),
+        ("ddp", ["parallel.tp=2"], {k: v for k, v in ALL_DROPPED.items() if k != "parallel.tp"}),
+        (None, ["parallel.tp=4"], {"parallel.tp": 4}),  # no strategy given: nothing dropped
+    ],
+)
+def test_a_strategy_given_now_drops_the_stored_dimensions_it_cannot_take(
+    tmp_path: Path, strategy: str | None, overrides: list[str], dropped: dict
+) -> None:
+    """A tp and HSDP run resumed as ddp (or xla) loses its `parallel` keys, each said as a
+    change; a key given again now stays, for the launch to refuse by name."""
+    recorded = _recorded(launch={"strategy": "fsdp", "devices": 8}, parallel=TP_AND_HSDP)
+    then = _layers(tmp_path, _yaml()).yaml
+    layers = cli_layers(tmp_path / "run.yaml", overrides, strategy=strategy)
+    resumed = spec_on_resume(recorded, then, layers)
+    changes = {c.key: c for c in resumed.changes if c.key.startswith("parallel.")}
+    assert {key: change.after for key, change in changes.items()} == dropped
+    name = resumed.spec.launch.strategy
+    for key, change in changes.items():
+        given = any(override.startswith(f"{key}=") for override in overrides)
+        assert given or change.origin == f"dropped: launch.strategy {name} cannot take it"
+    for key, value in TP_AND_HSDP.items():
+        if f"parallel.{key}" not in dropped:
+            assert getattr(resumed.spec.parallel, key) == value
+
+
 def _first_run(tmp_path: Path, *flags: str) -> tuple[Path, Path]:
     spec = write_spec(
         tmp_path / "run.yaml",
@@ -163,3 +203,31 @@ def test_what_no_resume_can_take_is_refused_then_an_lr_given_on_resume_is_applie
     lrs = {r["step"]: r["lr"] for r in metrics_of(run) if "lr" in r}
     assert lrs == {1: 0.05, 2: 0.05, 3: 0.05, 4: 0.05, 5: 1e-6, 6: 1e-6}
     assert "lr: 1.0e-06  # override optim.lr=1e-6" in (run / "spec.resume-1.yaml").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_a_tensor_parallel_run_resumes_as_ddp_with_only_the_strategy_given(
+    tmp_path: Path,
+) -> None:
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        launch={"accelerator": "cpu", "devices": 2, "strategy": "fsdp"},
+        parallel={"tp": 2},
+        recipe=tiny_gpt(20_000),
+        train={"max_steps": 2, "log_every": 1},
+        checkpoint={"every_n_steps": 2},
+    )
+    first = run_train(["--config", str(spec)], cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = run_train(
+        ["--config", str(spec), "--resume", "latest", "--strategy", "ddp", "train.max_steps=3"],
+        cwd=tmp_path,
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert "changed on resume: launch.strategy fsdp -> ddp (--strategy)" in output
+    assert (
+        "changed on resume: parallel.tp 2 -> 1 (dropped: launch.strategy ddp cannot take it)"
+        in output
+    )
+    assert "resumed at step 2" in output and "step 3/3" in output

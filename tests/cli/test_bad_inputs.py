@@ -37,6 +37,19 @@ BOMB = "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
 BOMB += "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9))
 BOMB += "optim: {lr: *a8}\n"
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
+BAD_HOOK = "import torch\ndef build_model():\n    return torch.nn.Linear(2, 1)\n"
+BAD_HOOK += "def build_dataset(split, n_samples=8):\n    return [torch.zeros(2)] * n_samples\n"
+BAD_HOOK += "def loss(model, batch):\n    return model(batch).sum()\n"
+BAD_COLLATE = BAD_HOOK + "def collate(samples, tokenizer):\n    return torch.stack(samples)\n"
+BAD_HOOK += "def param_groups():\n    return []\n"  # takes no model
+# A dataset that holds an open file: loader workers that are not forked cannot be sent it.
+OPENED = BAD_COLLATE.split("def collate")[0].replace(
+    "def build_dataset(split, n_samples=8):\n    return [torch.zeros(2)] * n_samples\n",
+    "class Opened(torch.utils.data.Dataset):\n    def __init__(self):\n"
+    "        self.log = open(__file__)\n    def __len__(self):\n        return 64\n"
+    "    def __getitem__(self, i):\n        return torch.zeros(2)\n"
+    "def build_dataset(split):\n    return Opened()\n",
+)
 
 
 def _safetensors(header: dict | str, data: int) -> bytes:
@@ -237,12 +250,12 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
         ["--image 'img:1\\nkind: Pod'", "image reference"],
         2,
     ),
-    (
-        "k8s-mount-path-injection",
+    (  # the pod's runs are always at /runs: an output_dir given here is left out, harmlessly
+        "k8s-output-dir-override-left-out",
         [*K8S, "--image", "img:1", 'run.output_dir="/runs\\n---\\nkind: Pod"'],
         {},
-        ["run.output_dir '/runs\\n---", "mountPath"],
-        2,
+        ["- run.output_dir=/runs", "mountPath: /runs"],
+        0,
     ),
     (
         "slurm-override-across-lines",
@@ -286,6 +299,59 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
         2,
     ),
     ("optim-name-dots", ["optim.name=.."], {}, ["optim.name", "got '..'"], 2),
+    # Issue 40: parameter groups' names and selectors, and the param_groups hook.
+    (
+        "optim-group-no-selector",
+        ["optim.groups=[{lr: 0.1}]"],
+        {},
+        ["optim.groups", "or `modules:` with one or more module class names"],
+        2,
+    ),
+    (
+        "optim-group-bad-name",
+        ["optim.groups=[{name: 'a/b', params: ['*.bias']}]"],
+        {},
+        ["optim.groups", "group 1: name: expected letters, digits"],
+        2,
+    ),
+    (
+        "optim-group-name-twice",
+        ["optim.groups=[{name: x, params: ['*.bias']}, {name: x, params: ['*.weight']}]"],
+        {},
+        ["optim.groups", "two groups are named 'x'"],
+        2,
+    ),
+    (
+        "param-groups-hook-signature",
+        ["recipe.source=bad_hook.py"],
+        {"bad_hook.py": BAD_HOOK},
+        ["bad_hook.py: param_groups()", "must take the model"],
+        2,
+    ),
+    (
+        "worker-start-unknown",
+        ["data.worker_start=threads"],
+        {},
+        ["data.worker_start", "expected one of 'auto', 'fork', 'forkserver' or 'spawn'"],
+        2,
+    ),
+    (
+        "collate-two-required",
+        ["recipe.source=bad_collate.py"],
+        {"bad_collate.py": BAD_COLLATE},
+        ["collate(samples, tokenizer) must take the list of samples", "collate(samples, split)"],
+        2,
+    ),
+    (
+        "dataset-unpicklable",
+        ["recipe.source=opened.py", "recipe.dataset={}", "data.num_workers=2"],
+        {"opened.py": OPENED},
+        [
+            "data.worker_start: the train dataset (Opened) cannot be pickled",
+            "data.worker_start: fork or data.num_workers: 0",
+        ],
+        2,
+    ),
     (
         "weights-overlapping-offsets",
         ["--load-weights", "w.safetensors"],

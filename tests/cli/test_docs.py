@@ -4,8 +4,10 @@ command takes. Reads files and the CLI's declarations; runs nothing."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -98,10 +100,15 @@ def broken_links(page: Path) -> list[str]:
 
 
 def train_lines(page: Path) -> list[tuple[int, list[str]]]:
-    """The `train` command lines of the page's code blocks, as the words after `train`: in a
-    block with `$ ` prompts only the prompted lines (the rest is output); `\\` continues a line;
-    `VAR=value` before `train`, comments, `...` and what follows a redirect or pipe are
-    dropped."""
+    """The `train` command lines of the page's code blocks, as the words after `train`."""
+    return [(number, words[1:]) for number, words in command_lines(page, {"train"})]
+
+
+def command_lines(page: Path, programs: set[str]) -> list[tuple[int, list[str]]]:
+    """The command lines of the page's code blocks that run one of `programs`, as their words:
+    in a block with `$ ` prompts only the prompted lines (the rest is output); `\\` continues
+    a line; `VAR=value` before the program, comments, `...` and what follows a redirect or
+    pipe are dropped."""
     found = []
     for first, block in _split(page.read_text())[1]:
         prompted = any(line.lstrip().startswith("$ ") for line in block)
@@ -124,13 +131,49 @@ def train_lines(page: Path) -> list[tuple[int, list[str]]]:
             plain = line.split()
             while plain and _ENV.match(plain[0]):
                 plain = plain[1:]
-            if not plain or plain[0] != "train":
+            if not plain or plain[0] not in programs:
                 continue  # another program, or output: never read as shell words
             words = _words(line)
             while words and _ENV.match(words[0]):
                 words = words[1:]
-            found.append((number, words[1:]))
+            found.append((number, words))
     return found
+
+
+def console_scripts_shown(pages: list[Path]) -> dict[str, str]:
+    """The commands of the environment's Python packages (their console scripts, such as
+    `tensorboard`) that the pages show, in a code block or a code span that starts with one
+    (`mlflow server ...`): {command: where it is first shown}. `train` is checked apart, and
+    `pip` installs into an environment of the reader's own."""
+    from importlib.metadata import entry_points
+
+    scripts = {script.name for script in entry_points(group="console_scripts")}
+    scripts -= {"train", "pip", "pip3"}
+    shown: dict[str, str] = {}
+    for page in pages:
+        where = str(page.relative_to(REPO))
+        for number, words in command_lines(page, scripts):
+            shown.setdefault(words[0], f"{where}:{number}")
+        prose = "\n".join(_split(page.read_text())[0])
+        for span in _CODE_SPAN.finditer(prose):
+            words = span.group(0).strip("`").split()
+            if len(words) > 1 and words[0] in scripts:
+                line = prose.count("\n", 0, span.start()) + 1
+                shown.setdefault(words[0], f"{where}:{line}")
+    return shown
+
+
+def runs_after_activating(command: str, venv: Path) -> subprocess.CompletedProcess[str]:
+    """`command --version` (else `--help`) in a shell that has only sourced the venv's
+    `activate`, as the README's set-up says, with nothing else of this process's PATH."""
+    script = (
+        f'source "{venv}/bin/activate" && command -v {command} && '
+        f"{{ {command} --version || {command} --help; }}"
+    )
+    env = {"HOME": os.environ.get("HOME", "/"), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    return subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def _words(line: str) -> list[str]:
@@ -212,6 +255,37 @@ def test_every_train_command_in_a_code_block_parses(page: Path) -> None:
         for problem in problems_of(args)
     ]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+def test_every_package_command_the_docs_show_runs_after_activating_the_venv() -> None:
+    """`tensorboard --logdir runs/` (the README), `mlflow server`, `wandb sync` (trackers.md):
+    each such command is on the PATH once `.venv` is activated, and runs."""
+    shown = console_scripts_shown(PAGES)
+    assert {"tensorboard", "mlflow", "wandb"} <= shown.keys(), shown
+    venv = REPO / ".venv"
+    for command, where in sorted(shown.items()):
+        result = runs_after_activating(command, venv)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"{where}: {command}: {output}"
+        assert result.stdout.startswith(f"{venv}/bin/{command}\n"), f"{where}: {output}"
+
+
+def test_the_python_the_docs_show_for_reading_tensorboard_runs(tmp_path: Path) -> None:
+    """seeing-runs.md's `read_scalars` example, run on a run folder's `tb/` of two files."""
+    from launcher.metrics.tensorboard_events import EventWriter
+
+    for steps in (range(1, 4), range(3, 5)):  # a resume that repeats step 3
+        writer = EventWriter(tmp_path / "tb")
+        for step in steps:
+            writer.add_scalars(step, {"train/loss": 2.0**-step, "train/lr": 0.1})
+        writer.close()
+    page = REPO / "docs" / "seeing-runs.md"
+    blocks = ["\n".join(block) for _, block in _split(page.read_text())[1]]
+    [example] = [block for block in blocks if "read_scalars(" in block]
+    namespace: dict[str, Any] = {"run_dir": tmp_path}
+    exec(example, namespace)
+    assert namespace["losses"] == {1: 0.5, 2: 0.25, 3: 0.125, 4: 0.0625}
 
 
 def test_the_readme_links_every_docs_page() -> None:

@@ -4,6 +4,7 @@ starts anything."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from types import ModuleType
@@ -325,3 +326,90 @@ def test_a_tensor_parallel_split_the_heads_cannot_take_is_refused(
     assert code == 2 and "Traceback" not in output, output
     assert "parallel.tp: 4: the model split over 4 processes fails in loss(model, batch)" in output
     assert "whole attention heads" in output
+
+
+def test_steps_per_epoch_count_data_parallel_ranks_not_processes(tmp_path: Path) -> None:
+    """tp 2 x dp_shard 2 on 4 processes: the two processes of a tensor-parallel group share a
+    batch, so an epoch takes as many steps as on 2 processes of ddp."""
+    launch = {"strategy": "fsdp", "devices": 4}
+    parallel = {"tp": 2, "dp_shard": 2}
+    code, output = _validate(tmp_path, recipe=GPT_TWO_HEADS, launch=launch, parallel=parallel)
+    assert code == 0, output
+    found = re.search(r"train ([\d,]+) samples \(([\d,]+) steps/epoch at (.*?)\)", output)
+    assert found, output
+    samples, steps = (int(found[i].replace(",", "")) for i in (1, 2))
+    assert steps == samples // (2 * 8), output  # 2 batches of 8 a step, the short one dropped
+    assert found[3] == "2 data-parallel ranks of 4 devices x 8", output
+
+
+FROZEN = """
+def build_model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    model[0].requires_grad_(False)
+    return model
+
+
+def build_dataset(split):
+    return torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+
+
+def loss(model, batch):
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+"""
+
+
+def test_a_model_with_frozen_parameters_gets_a_memory_estimate(tmp_path: Path) -> None:
+    code, output = _validate(tmp_path, recipe=_recipe(tmp_path, FROZEN))
+    assert code == 0, output
+    assert "model Sequential 49 parameters, 9 trainable" in output
+    assert "memory per device (estimate, ddp, dp_replicate 2, fp32" in output, output
+
+
+def test_explain_keeps_the_start_of_a_long_value(tmp_path: Path) -> None:
+    """A long value keeps its start (a path's root, a mapping's first keys) and its end (the
+    file name), where `--explain` used to cut it from the left."""
+    from launcher.config.loader import load_cli_spec_and_sources
+    from launcher.config.sources import explain_text
+
+    recipe = tmp_path / "a-folder-with-a-long-name" / "and-another-one" / "my_recipe.py"
+    model = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "dropout": 0.1}
+    spec = write_spec(tmp_path / "run.yaml", recipe={"source": str(recipe), "model": model})
+    rows = explain_text(*load_cli_spec_and_sources(spec)).splitlines()
+    [source] = [row.split() for row in rows if row.split()[0] == "recipe.source"]
+    [shown] = [row for row in rows if row.split()[0] == "recipe.model"]
+    assert source[1] == f"{str(recipe)[:30]}...{str(recipe)[-15:]}", source
+    assert source[1].endswith("/my_recipe.py")
+    flow = "{block_size: 1024, dropout: 0.1, n_embd: 768, n_head: 12, n_layer: 12}"  # sorted
+    assert f" {flow[:30]}...{flow[-15:]} " in shown, shown
+
+
+OPENED = """
+class Opened(torch.utils.data.Dataset):
+    def __init__(self):
+        self.log = open(__file__)  # an open file: no worker process but a forked one gets it
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.zeros(4), torch.zeros(1)
+
+def build_dataset(split):
+    return Opened()
+
+def collate(samples, split):
+    assert split == "val" or split == "train"
+    return torch.utils.data.default_collate(samples)
+"""
+
+
+def test_validate_checks_what_loader_workers_are_sent(tmp_path: Path) -> None:
+    """A dataset that loader workers started by a fork server cannot be sent is refused by
+    validate, as by the run; forked workers (or none) take it."""
+    recipe = _recipe(tmp_path, MODEL + LOSS + OPENED)
+    code, output = _validate(tmp_path, "data.num_workers=2", recipe=recipe)
+    usage = "data.worker_start: the train dataset (Opened) cannot be pickled"
+    assert code == 2 and usage in output and "Traceback" not in output, output
+    for fine in ("data.worker_start=fork", "data.num_workers=0"):
+        code, output = _validate(tmp_path, "data.num_workers=2", fine, recipe=recipe)
+        assert code == 0, output

@@ -49,14 +49,13 @@ def _comments(text: str) -> list[str]:
 @pytest.mark.parametrize("kind", ["pytorchjob", "jobset"])
 @pytest.mark.parametrize("hostile", BREAKOUTS)
 def test_a_manifest_holds_hostile_paths_and_overrides_as_values(kind: str, hostile: str) -> None:
-    plain = manifest("run.yaml", 2, 8, "img:1", "gpt", "runs", kind=kind, extra_args=["a=1", "b"])
+    plain = manifest("run.yaml", 2, 8, "img:1", "gpt", kind=kind, extra_args=["a=1", "b"])
     text = manifest(
         f"cfg/{hostile}.yaml",  # the config's path, read in the pod
         2,
         8,
         "img:1",
         "gpt",
-        f"runs/{hostile}",  # relative: the volume goes at /runs and the command says so
         kind=kind,  # type: ignore[arg-type]
         extra_args=[f"recipe.model.name={hostile}", hostile],
     )
@@ -80,14 +79,15 @@ def test_a_manifest_holds_hostile_paths_and_overrides_as_values(kind: str, hosti
     check_manifest(documents)
 
 
-def test_an_absolute_output_dir_is_the_mount_path_as_a_value() -> None:
+def test_an_output_dir_given_to_train_k8s_never_reaches_the_pods() -> None:
+    """The volume goes at /runs in every pod, and the run writes there: an override of
+    run.output_dir (a folder of the machine that wrote the manifest) is left out."""
     hostile = "/mnt/runs # x: y --- kind: Pod"
-    text = manifest("run.yaml", 2, 8, "img:1", "gpt", hostile)
+    text = manifest("run.yaml", 2, 8, "img:1", "gpt", extra_args=[f"run.output_dir={hostile}"])
     _, job = yaml.safe_load_all(text)
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert {"name": "runs", "mountPath": hostile} in pod["containers"][0]["volumeMounts"]
-    assert "<run.output_dir>/gpt/gpt" in text  # the header says where, without the value
-    assert len(_comments(text)) == len(_comments(manifest("r.yaml", 2, 8, "i", "gpt", "/r")))
+    assert {"name": "runs", "mountPath": "/runs"} in pod["containers"][0]["volumeMounts"]
+    assert hostile not in text and "# The run folder is /runs/gpt/gpt on" in text
 
 
 @pytest.mark.parametrize(
@@ -104,14 +104,12 @@ def test_an_absolute_output_dir_is_the_mount_path_as_a_value() -> None:
         ("image", "img:1\x1b[2J", "--image"),
         ("run_name", f"gpt\n---\n{POD}", "run.name"),
         ("run_name", "../gpt", "run.name"),
-        ("output_dir", f"/mnt/runs\n---\n{POD}", "run.output_dir"),
-        ("output_dir", "/mnt/runs\x00", "run.output_dir"),
     ],
 )
 def test_what_kubernetes_cannot_take_is_refused_by_its_flag_or_key(
     field: str, value: str, named: str
 ) -> None:
-    given = {"image": "img:1", "run_name": "gpt", "output_dir": "runs", "pvc": "data"}
+    given = {"image": "img:1", "run_name": "gpt", "pvc": "data"}
     manifest("run.yaml", 2, 8, **given)  # type: ignore[arg-type]  # the plain values pass
     with pytest.raises(UsageError) as refused:
         manifest("run.yaml", 2, 8, **{**given, field: value})  # type: ignore[arg-type]
@@ -127,7 +125,7 @@ def test_every_name_kubernetes_takes_is_taken(pvc: str) -> None:
     images = ["img", "ghcr.io/lab/train:1", "localhost:5000/a/b:v1.2_rc-3"]
     images += ["nvcr.io/nvidia/pytorch:24.01-py3", "img@sha256:" + "0" * 64, "[::1]:5000/x"]
     for image in images:
-        (job,) = yaml.safe_load_all(manifest("run.yaml", 2, 8, image, "gpt", "runs", pvc=pvc))
+        (job,) = yaml.safe_load_all(manifest("run.yaml", 2, 8, image, "gpt", pvc=pvc))
         pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
         assert pod["containers"][0]["image"] == image
         assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": pvc}
@@ -145,12 +143,14 @@ def test_train_k8s_refuses_the_issues_injection(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_train_k8s_refuses_a_mount_path_that_is_not_one_line(tmp_path: Path) -> None:
+def test_train_k8s_leaves_the_specs_output_dir_out_of_the_manifest(tmp_path: Path) -> None:
+    """The spec's output_dir is this machine's: the pods mount the volume at /runs."""
     write_spec(tmp_path / "run.yaml", run={"name": "gpt", "output_dir": f"/runs\n---\n{POD}"})
     args = ["k8s", "--config", "run.yaml", "--nodes", "2", "--gpus-per-node", "8"]
     result = run_train([*args, "--image", "img:1"], tmp_path)
-    usage_error(result, "run.output_dir '/runs\\n---", "mountPath")
-    assert result.stdout == ""
+    assert result.returncode == 0, result.stderr
+    assert "Pod" not in result.stdout
+    check_manifest(list(yaml.safe_load_all(result.stdout)))
 
 
 # --- train slurm --------------------------------------------------------------------------

@@ -1,13 +1,55 @@
-"""Forked DataLoader workers on a CPython with gh-112275: a worker can hang for good as it
-starts, when a C++ thread of its training process (gloo's, freeing a collective's tensors)
-held the interpreter's thread-list lock at the fork. No code of ours can prevent it; the
-worker says so on rank 0 (`launcher.worker.main.warn_of_fork_hang`)."""
+"""Loader workers that cannot hang at fork: `data.worker_start: auto` starts DataLoader workers
+by forkserver (spawn where there is none), never by forking a training process with threads,
+which on a CPython with gh-112275 could hang a worker for good as it started. An explicit
+`fork` on such a Python is warned of on rank 0 (`launcher.worker.loader_workers`)."""
 
 from __future__ import annotations
 
-import pytest
+import multiprocessing
+from pathlib import Path
 
-from launcher.worker.main import forked_workers_may_hang, warn_of_fork_hang
+import pytest
+import torch
+
+from launcher.config.loader import load_cli_spec, load_spec_and_sources
+from launcher.config.spec import DataSection
+from launcher.errors import UsageError
+from launcher.worker.loader_workers import (
+    check_sendable,
+    fork_may_hang,
+    start_method,
+    warn_of_fork_hang,
+    worker_options,
+)
+
+LINUX = ["fork", "spawn", "forkserver"]
+
+
+def test_the_key_defaults_to_auto_and_names_its_choices(tmp_path: Path) -> None:
+    spec_file = tmp_path / "run.yaml"
+    spec_file.write_text("recipe: {source: r.py}\ntrain: {max_steps: 5}\n")
+    assert load_cli_spec(spec_file).data.worker_start == "auto"
+    with pytest.raises(UsageError) as caught:
+        load_spec_and_sources(spec_file, ["data.worker_start=threads"])
+    assert (
+        "data.worker_start (override data.worker_start=threads): expected one of 'auto', "
+        "'fork', 'forkserver' or 'spawn', got 'threads'"
+    ) in caught.value.render()
+
+
+@pytest.mark.parametrize("version", [(3, 10, 13), (3, 11, 7), (3, 11, 10), (3, 12, 1), (3, 14, 0)])
+def test_auto_starts_workers_by_forkserver_on_every_python(version: tuple[int, int, int]) -> None:
+    """Not only where gh-112275 is: a forked child of a process with threads may find any
+    lock held (POSIX, CPython 3.12's warning, 3.14's default)."""
+    assert start_method("auto", LINUX) == "forkserver"
+    assert start_method("auto", ["spawn"]) == "spawn"  # a platform without a fork server
+    assert start_method("fork", LINUX) == "fork"  # asked for by name
+    assert start_method("spawn", LINUX) == "spawn"
+
+
+def test_a_start_method_the_platform_lacks_is_refused_by_key() -> None:
+    with pytest.raises(UsageError, match=r"data\.worker_start: forkserver is not a start method"):
+        start_method("forkserver", ["spawn"])
 
 
 @pytest.mark.parametrize(
@@ -23,15 +65,47 @@ from launcher.worker.main import forked_workers_may_hang, warn_of_fork_hang
     ],
 )
 def test_the_releases_with_the_bug_are_known(version: tuple[int, int, int], may_hang: bool):
-    assert forked_workers_may_hang(version) is may_hang
+    assert fork_may_hang(version) is may_hang
 
 
-def test_a_run_with_workers_on_such_a_release_is_warned(capsys: pytest.CaptureFixture[str]):
-    warn_of_fork_hang(2, (3, 11, 7))
+def test_only_forked_workers_on_such_a_release_are_warned(capsys: pytest.CaptureFixture[str]):
+    warn_of_fork_hang(DataSection(num_workers=2, worker_start="fork"), (3, 11, 7))
     warning = capsys.readouterr().err
-    assert warning.startswith("WARNING: data.num_workers: Python 3.11.7 ")
+    assert warning.startswith("WARNING: data.worker_start: fork: Python 3.11.7 ")
     assert "gh-112275" in warning and "3.11.10" in warning
 
-    warn_of_fork_hang(0, (3, 11, 7))  # no worker is forked
-    warn_of_fork_hang(2, (3, 12, 1))
+    warn_of_fork_hang(DataSection(num_workers=2), (3, 11, 7))  # auto: not forked
+    warn_of_fork_hang(DataSection(num_workers=0, worker_start="fork"), (3, 11, 7))
+    warn_of_fork_hang(DataSection(num_workers=2, worker_start="fork"), (3, 12, 1))
     assert capsys.readouterr().err == ""
+
+
+def test_the_loader_options_of_each_start_method() -> None:
+    assert worker_options(DataSection(num_workers=0), {}) == {}  # no worker, no context
+    forked = worker_options(DataSection(num_workers=2, worker_start="fork"), {})
+    assert forked["multiprocessing_context"].get_start_method() == "fork"
+    assert "worker_init_fn" not in forked
+    for method in ("forkserver", "spawn"):
+        options = worker_options(DataSection(num_workers=2, worker_start=method), {})
+        assert options["multiprocessing_context"].get_start_method() == method
+        assert options["worker_init_fn"].training_pid == multiprocessing.current_process().pid
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.transform = lambda x: x  # a lambda: pickle cannot name it
+
+
+def test_what_cannot_be_pickled_is_refused_in_one_line_naming_the_keys() -> None:
+    check_sendable([torch.zeros(3)] * 300, "the train dataset", "forkserver")  # fine
+    with pytest.raises(UsageError) as caught:
+        worker_options(DataSection(num_workers=2), {"the train dataset": _Holder()})
+    message = caught.value.render()
+    assert "\n" not in message
+    assert message.startswith(
+        "data.worker_start: the train dataset (_Holder) cannot be pickled for loader workers "
+        "started by forkserver (Can't pickle local object"
+    )
+    assert "or set data.worker_start: fork or data.num_workers: 0" in message
+    # Forked workers are not sent anything: nothing to check.
+    worker_options(DataSection(num_workers=2, worker_start="fork"), {"x": _Holder()})

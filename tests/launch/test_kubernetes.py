@@ -249,12 +249,20 @@ def check_manifest(documents: list[dict[str, Any]]) -> None:
 
 
 def test_train_k8s_prints_a_manifest_that_kubernetes_would_take(tmp_path: Path) -> None:
-    write_spec(tmp_path / "run.yaml", run={"name": "GPT_ddp.v2", "output_dir": "runs"})
+    # This machine's absolute output_dir, given again as an override: in the pods the run
+    # writes on the volume, at /runs, wherever the spec wrote on this machine.
+    local = str(tmp_path / "runs")
+    write_spec(tmp_path / "run.yaml", run={"name": "GPT_ddp.v2", "output_dir": local})
     args = ["k8s", "--config", "run.yaml", "--nodes", "4", "--gpus-per-node", "8"]
-    result = run_train([*args, "--image", "ghcr.io/lab/train:1", "optim.lr=0.1"], cwd=tmp_path)
+    overrides = ["optim.lr=0.1", f"run.output_dir={local}"]
+    result = run_train([*args, "--image", "ghcr.io/lab/train:1", *overrides], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == manifest(
-        "run.yaml", 4, 8, "ghcr.io/lab/train:1", "GPT_ddp.v2", "runs", extra_args=["optim.lr=0.1"]
+        "run.yaml", 4, 8, "ghcr.io/lab/train:1", "GPT_ddp.v2", extra_args=overrides
+    )
+    assert local not in result.stdout
+    assert "# The run folder is /runs/GPT_ddp.v2/gpt-ddp-v2 on the PersistentVolumeClaim" in (
+        result.stdout
     )
     assert result.stdout.startswith("# Kubeflow PyTorchJob for run GPT_ddp.v2")
     assert "kubectl apply -f gpt-ddp-v2.yaml" in result.stdout
@@ -287,7 +295,7 @@ def test_train_k8s_prints_a_manifest_that_kubernetes_would_take(tmp_path: Path) 
 
 def test_a_jobset_manifest_on_a_volume_of_ones_own() -> None:
     text = manifest(
-        "/cfg/run.yaml", 2, 4, "img:1", "gpt", "/mnt/runs", kind="jobset", pvc="team-nfs",
+        "/cfg/run.yaml", 2, 4, "img:1", "gpt", kind="jobset", pvc="team-nfs",
         grace_period=900, backoff_limit=3,
     )  # fmt: skip
     documents = list(yaml.safe_load_all(text))
@@ -300,9 +308,8 @@ def test_a_jobset_manifest_on_a_volume_of_ones_own() -> None:
     pod = job["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 900
     container = pod["containers"][0]
-    # An absolute output_dir is where the volume goes: no override needed.
-    assert container["command"][-2:] == ["--resume", "latest"]
-    assert {"name": "runs", "mountPath": "/mnt/runs"} in container["volumeMounts"]
+    assert container["command"][-3:] == ["--resume", "latest", "run.output_dir=/runs"]
+    assert {"name": "runs", "mountPath": "/runs"} in container["volumeMounts"]
     env = {e["name"]: e for e in container["env"]}
     assert env["PET_NNODES"]["value"] == "2"
     # What a pod of it sees (its env, and its host name under the JobSet's service) is
@@ -329,7 +336,7 @@ def test_a_misspelled_field_fails_the_check(
     where: tuple[str, ...], field: str, misspelled: str
 ) -> None:
     """Kubernetes' own schema for the pod (strict), the CRD's fields for the job."""
-    _, job = yaml.safe_load_all(manifest("run.yaml", 2, 8, "img", "gpt", "runs"))
+    _, job = yaml.safe_load_all(manifest("run.yaml", 2, 8, "img", "gpt"))
     broken = copy.deepcopy(job)
     parent = broken
     for key in where:

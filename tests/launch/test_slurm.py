@@ -115,6 +115,22 @@ def test_sbatch_script_is_exactly_this_and_valid_bash(tmp_path: Path) -> None:
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
+@pytest.mark.parametrize(
+    ("given", "requested"),
+    [(None, "64"), (12, "12"), (0, None)],  # 8 GPUs: 8 cores each unless told
+)
+def test_cpus_are_requested_per_gpu_unless_told(given: int | None, requested: str | None) -> None:
+    """Without a request SLURM gives the node's one task one core, for 8 processes and their
+    DataLoader workers; srun passes the request on to the task only if told to."""
+    script = sbatch_script("x.yaml", nodes=2, gpus_per_node=8, name="x", cpus_per_task=given)
+    cpus = [line for line in script.splitlines() if "--cpus-per-task" in line]
+    passed_on = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in script
+    if requested is None:
+        assert cpus == [] and not passed_on
+    else:
+        assert cpus == [f"#SBATCH --cpus-per-task={requested}"] and passed_on
+
+
 # Stand-ins for SLURM's commands: srun records its arguments and, like a train that got
 # SIGTERM and saved, exits 143 on SIGTERM (0 if left alone); scontrol records its own.
 FAKE_SRUN = """#!/bin/bash
@@ -214,6 +230,7 @@ def test_train_slurm_prints_the_script(tmp_path: Path) -> None:
     assert "#SBATCH --time=2:00:00" in directives
     assert "#SBATCH --partition=gpu-a100,gpu_h100" in directives
     assert "#SBATCH --requeue" in directives and "#SBATCH --signal=TERM@120" in directives
+    assert "#SBATCH --cpus-per-task=64" in directives  # 8 per GPU, unasked
 
 
 @pytest.mark.timeout(180)

@@ -31,14 +31,16 @@ from tests.conftest import (
 pytestmark = pytest.mark.timeout(300)
 
 # Takes SIGTERM the way a worker does, with the test as its launcher (its parent); with
-# "fork", also forks a child (a DataLoader worker's place). Then obeys commands on stdin.
+# "fork", also forks a child (a DataLoader worker's place); with "loader", starts a
+# DataLoader worker by forkserver (data.worker_start: auto), from a recipe file's dataset.
+# Then obeys commands on stdin.
 CHILD = """
 import os, signal, sys, time
 from pathlib import Path
-import launcher.worker.main
-from launcher.worker.main import stop_on_outside_sigterm
+import launcher.worker.sigterm
+from launcher.worker.sigterm import stop_on_outside_sigterm
 
-launcher.worker.main.REPEAT_WINDOW_S = 1.0
+launcher.worker.sigterm.REPEAT_WINDOW_S = 1.0
 stop_on_outside_sigterm(Path(sys.argv[1]), os.getppid())
 forked = 0
 if sys.argv[2] == "fork":
@@ -49,19 +51,58 @@ if sys.argv[2] == "fork":
 import torch  # threads of its own, started after the mask is set, as in a worker
 
 torch.ones(1000, 1000) @ torch.ones(1000, 1000)
+if sys.argv[2] == "loader":
+    from torch.utils.data import DataLoader
+    from launcher.config.spec import DataSection
+    from launcher.worker.loader_workers import worker_options
+    from launcher.worker.recipe import load_recipe
+
+    data = DataSection(num_workers=1)
+    dataset = load_recipe(sys.argv[3]).build_dataset("train")
+    batches = iter(DataLoader(dataset, num_workers=1, **worker_options(data, {})))
+    forked = int(next(batches))  # the worker's pid; it then sleeps on the next sample
 print("ready", forked, flush=True)
 for line in sys.stdin:
     what, pid = line.split()
     if what == "kill":
         os.kill(int(pid), signal.SIGTERM)
+    elif what == "wait" and sys.argv[2] == "loader":
+        (worker,) = batches._workers
+        worker.join()
+        print(worker.exitcode, flush=True)
     elif what == "wait":
         print(os.waitstatus_to_exitcode(os.waitpid(int(pid), 0)[1]), flush=True)
 """
+# The dataset of the "loader" child: a class of a recipe file, which the worker imports.
+PID_RECIPE = """
+import os, time
+from torch.utils.data import Dataset
+
+class Pids(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        if i:
+            time.sleep(120)
+        return os.getpid()
+
+def build_dataset(split):
+    return Pids()
+
+def build_model():
+    pass
+
+def loss(model, batch):
+    pass
+"""
 
 
-def _start_child(tmp_path: Path, fork: bool = False) -> tuple[subprocess.Popen[str], int]:
+def _start_child(tmp_path: Path, kind: str = "-") -> tuple[subprocess.Popen[str], int]:
+    recipe = tmp_path / "pids_recipe.py"
+    recipe.write_text(PID_RECIPE)
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path), "fork" if fork else "-"],
+        [sys.executable, "-c", CHILD, str(tmp_path), kind, str(recipe)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -145,13 +186,15 @@ def test_sigterm_from_outside_asks_for_a_stop_and_a_second_one_ends_the_worker(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fork", "loader"])
 @pytest.mark.parametrize("sender", ["launcher", "parent"])
 def test_a_forked_child_ends_at_once_on_sigterm_from_the_launcher_or_its_parent(
-    tmp_path: Path, sender: str
+    tmp_path: Path, sender: str, kind: str
 ) -> None:
     """What a DataLoader worker gets when the agent signals the worker's process group, or
-    when its loader terminates it."""
-    proc, forked = _start_child(tmp_path, fork=True)
+    when its loader terminates it; a loader worker started by a fork server too, whose
+    parent is that server, not its training process."""
+    proc, forked = _start_child(tmp_path, kind)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         if sender == "launcher":
@@ -167,10 +210,13 @@ def test_a_forked_child_ends_at_once_on_sigterm_from_the_launcher_or_its_parent(
 
 
 @pytest.mark.timeout(60)
-def test_a_forked_child_asks_for_a_stop_quietly_on_sigterm_from_outside(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["fork", "loader"])
+def test_a_forked_child_asks_for_a_stop_quietly_on_sigterm_from_outside(
+    tmp_path: Path, kind: str
+) -> None:
     """Under SLURM a DataLoader worker gets the SIGTERM too: dying would fail its training
     process's loader before the checkpoint is saved."""
-    proc, forked = _start_child(tmp_path, fork=True)
+    proc, forked = _start_child(tmp_path, kind)
     try:
         _sigterm_from_a_third_process(forked)
         _wait_for(RunLayout(tmp_path).stop_request)
@@ -235,20 +281,33 @@ def test_sigterm_to_one_worker_from_outside_stops_every_rank_with_a_checkpoint(
     assert f"stop requested: stopping after step {step}" in output
 
 
+def _loader_workers(launcher_pid: int, start: str) -> list[psutil.Process]:
+    """The DataLoader workers of every rank: its children, or its fork server's."""
+    ranks = _workers(launcher_pid)
+    if start == "fork":
+        return [p for rank in ranks for p in rank.children()]
+    servers = [
+        p for rank in ranks for p in rank.children() if "forkserver" in " ".join(p.cmdline())
+    ]
+    assert len(servers) == len(ranks), servers
+    return [p for server in servers for p in server.children()]
+
+
+@pytest.mark.parametrize("start", ["auto", "fork"])
 def test_slurm_style_sigterm_to_every_process_saves_even_with_loader_workers(
-    tmp_path: Path,
+    tmp_path: Path, start: str
 ) -> None:
-    """slurmstepd signals the launcher, the workers and the workers' DataLoader workers."""
+    """slurmstepd signals the launcher, the workers and the workers' DataLoader workers,
+    forked or started by a fork server (data.worker_start: auto), and that server."""
     run_dir = tmp_path / "run"
+    spec = _spec(tmp_path, num_workers=2, worker_start=start)
     proc = start_train(
-        ["--config", str(_spec(tmp_path, num_workers=2)), "--run-dir", str(run_dir)],
-        tmp_path,
-        {"FAULT": "slow"},
+        ["--config", str(spec), "--run-dir", str(run_dir)], tmp_path, {"FAULT": "slow"}
     )
     wait_for_step(run_dir, 1, 5, proc)
     launcher = psutil.Process(proc.pid)
     everyone = [launcher, *launcher.children(recursive=True)]
-    loader_workers = [p for w in _workers(proc.pid) for p in w.children()]
+    loader_workers = _loader_workers(proc.pid, start)
     assert len(loader_workers) == 4, loader_workers  # 2 ranks x num_workers=2
     for p in everyone:
         p.send_signal(signal.SIGTERM)

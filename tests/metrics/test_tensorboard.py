@@ -17,11 +17,13 @@ import pytest
 from launcher.metrics.sinks import BackgroundWriter
 from launcher.metrics.tensorboard import TensorBoardSink, scalar_tags
 from launcher.metrics.tensorboard_events import (
+    DamagedEventFile,
     EventWriter,
     crc32c,
     encode_event,
     frame,
     masked_crc32c,
+    read_scalars,
 )
 from launcher.rundir.layout import RunLayout
 from tests.conftest import only_run_dir, run_train, write_spec
@@ -66,7 +68,7 @@ def test_records_are_framed_and_checked() -> None:
     assert struct.unpack("<I", record[-4:]) == (masked_crc32c(data),)
 
 
-def read_scalars(path: Path) -> list[tuple[int, str, float]]:
+def tensorboards_scalars(path: Path) -> list[tuple[int, str, float]]:
     """(step, tag, value) of every scalar in one event file, by TensorBoard's own reader."""
     accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator"
@@ -87,6 +89,37 @@ def test_a_second_writer_gets_a_file_of_its_own(tmp_path: Path) -> None:
     first, second = _write(tmp_path / "tb"), _write(tmp_path / "tb")
     assert first != second and _files(tmp_path / "tb") == sorted([first, second])
     assert read_scalars(first) == read_scalars(second) == sorted(_expected())
+
+
+def test_our_reader_reads_what_tensorboards_reader_reads(tmp_path: Path) -> None:
+    """`read_scalars` against TensorBoard's own reader, on our writer's file and on one that
+    torch's `SummaryWriter` (TensorBoard's protobuf classes) wrote."""
+    ours = _write(tmp_path / "ours")
+    assert read_scalars(ours) == tensorboards_scalars(ours) == sorted(_expected())
+    summary_writer = pytest.importorskip("torch.utils.tensorboard").SummaryWriter
+    with closing(summary_writer(str(tmp_path / "torch"))) as writer:
+        for step, scalars in SCALARS.items():
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, step)
+    [theirs] = _files(tmp_path / "torch")
+    assert read_scalars(theirs) == tensorboards_scalars(theirs) == sorted(_expected())
+
+
+def test_a_folders_files_are_read_together_and_a_cut_record_left_out(tmp_path: Path) -> None:
+    first, second = _write(tmp_path / "tb"), _write(tmp_path / "tb")
+    assert read_scalars(tmp_path / "tb") == sorted(_expected() * 2)
+    whole = second.read_bytes()
+    second.write_bytes(whole[:-5])  # a run killed in its last write: the last event is lost
+    last_step = max(SCALARS)
+    assert read_scalars(second) == [s for s in sorted(_expected()) if s[0] != last_step]
+    damaged = bytearray(whole)
+    damaged[-6] ^= 0xFF
+    second.write_bytes(bytes(damaged))
+    with pytest.raises(DamagedEventFile, match="fails its checksum"):
+        read_scalars(second)
+    with pytest.raises(FileNotFoundError):
+        read_scalars(tmp_path / "missing")
+    assert first.exists()
 
 
 def test_tensorboard_reads_what_our_writer_wrote(tmp_path: Path) -> None:

@@ -151,3 +151,27 @@ def test_validate_prints_the_estimate(tmp_path: Path) -> None:
     assert "(estimate, fsdp, dp_shard 4, fp32, micro-batch of 8): peak " in lines[0]
     for part in ("params ", "grads ", "optimizer ", "activations "):
         assert part in lines[0]
+
+
+def _frozen_first_layer() -> nn.Module:
+    model = _linears()
+    model[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_frozen_parameters_hold_no_gradient_or_optimizer_state(strategy: str) -> None:
+    """A frozen layer (a fine-tune's embedding, a LoRA base) is held but gets no gradient and
+    no Adam moments: the estimate counts it once, where torch's tracker used to refuse it."""
+    batch = (torch.randn(16, SIZES[0][0]), torch.randint(0, 10, (16,)))
+    layout = Layout(strategy, ParallelDims(dp_replicate=1), FSDPSection(), "fp32", 16)
+
+    def adam(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p for p in model.parameters() if p.requires_grad)
+
+    estimate = estimate_memory(_frozen_first_layer, adam, batch, _loss, layout)
+    every = 4 * sum(fan_in * fan_out + fan_out for fan_in, fan_out in SIZES)
+    trainable = 4 * sum(fan_in * fan_out + fan_out for fan_in, fan_out in SIZES[1:])
+    assert (estimate.params, estimate.grads) == (every, trainable)
+    assert estimate.optimizer == 2 * trainable
+    assert estimate.peak >= every + trainable + 2 * trainable

@@ -268,6 +268,43 @@ def test_a_recipe_without_collate_keeps_default_collate_and_collate_fn_is_named(
         _recipe(collate_fn=varlen.collate).collate_hook()
 
 
+def test_collate_is_told_the_split_where_it_takes_one_by_name() -> None:
+    """`collate(samples, split)` gets "train" or "val" (mixup only on train batches); one of
+    `collate(samples)` is called as always, and an optional parameter of another name is
+    never given the split."""
+    seen: list[object] = []
+
+    def told(samples: list, split: str) -> torch.Tensor:
+        seen.append(split)
+        return torch.stack(samples)
+
+    def keyword_only(samples: list, *, split: str = "?") -> torch.Tensor:
+        seen.append(split)
+        return torch.stack(samples)
+
+    def other(samples: list, pad_to: object = None) -> torch.Tensor:
+        seen.append(pad_to)
+        return torch.stack(samples)
+
+    samples = [torch.zeros(2)] * 3
+    for hook in (told, keyword_only, other, lambda samples: torch.stack(samples)):
+        assert _recipe(collate=hook).collate_hook() is hook
+        for split in ("train", "val"):
+            assert Collate(hook, split)(samples).shape == (3, 2)
+    assert seen == ["train", "val", "train", "val", None, None]
+    assert Collate(told)(samples) is not None and seen[-1] == "train"  # the default
+
+    def two_required(samples, tokenizer):  # type: ignore[no-untyped-def]
+        return samples
+
+    with pytest.raises(UsageError) as caught:
+        _recipe(collate=two_required).collate_hook()
+    assert caught.value.render().startswith(
+        "recipe_under_test.py: collate(samples, tokenizer) must take the list of samples, and "
+        "may take the split by name: collate(samples) or collate(samples, split)"
+    )
+
+
 def test_the_varlen_recipe_ignores_padding_and_learns() -> None:
     torch.manual_seed(0)
     model = varlen.build_model()

@@ -184,7 +184,9 @@ def test_a_run_reports_flops_per_step_and_tflops(tmp_path: Path) -> None:
     assert summary["tflops_per_device"] > 0 and summary["peak_flops"] is None
     records = metrics_of(run)
     assert all(r["tflops_per_device"] > 0 and "mfu" not in r for r in records)
-    assert "TFLOP/s" in result.stdout and "MFU" not in result.stdout
+    # A CPU's rate in a unit that reads (MFLOP/s or GFLOP/s here), not 3.51e-05 TFLOP/s.
+    assert re.search(r" \| \d+(\.\d+)? [kMG]FLOP/s", result.stdout), result.stdout
+    assert "TFLOP/s" not in result.stdout and "MFU" not in result.stdout
     status = (run / "telemetry" / "rank-0.jsonl").read_text()
     assert "tflops_per_device" in status
 
@@ -213,3 +215,50 @@ def test_what_the_count_leaves_out_is_said_in_one_line(capsys: pytest.CaptureFix
     assert capsys.readouterr().out.startswith("FLOPs partly counted: ")
     assert speed.per_step and speed.per_step > 0
     assert counted(torch.nn.Linear(4, 2), torch.randn(3, 4)) == ""  # all of it counted
+
+
+def test_the_cpus_fused_attention_is_counted_by_torchs_formula(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """On a CPU, scaled_dot_product_attention runs `_scaled_dot_product_flash_attention_for_cpu`
+    (and its backward): counted as torch counts its GPU siblings, QK^T and AV forward (4 B H
+    L^2 D) and five such matmuls backward (10 B H L^2 D), with no line about a partial count."""
+    from launcher.worker.flops import Speed
+
+    b, h, length, d = 2, 2, 8, 4
+    q, k, v = (torch.randn(b, h, length, d, requires_grad=True) for _ in range(3))
+    speed = Speed(torch.device("cpu"), "fp32", True, 1)
+    with speed.counting((q, k, v)):
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attention.sum().backward()
+    assert speed.per_step == 14 * b * h * length**2 * d
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    ("tflops", "line", "cell"),
+    [
+        (391.2, " | 391.2 TFLOP/s", "391.2T"),
+        (2250.0, " | 2250.0 TFLOP/s", "2250.0T"),  # a B200's peak stays in TFLOP/s
+        (3.51e-2, " | 35.1 GFLOP/s", "35.1G"),
+        (3.51e-8, " | 35.1 kFLOP/s", "35.1k"),
+        (8.12e-4, " | 812.0 MFLOP/s", "812.0M"),
+    ],
+)
+def test_a_rate_is_shown_in_a_unit_that_reads(tflops: float, line: str, cell: str) -> None:
+    """The log line and the live table's column (`FLOP/s`) give a CPU's rate in GFLOP/s or
+    MFLOP/s, where both used to say `3.51e-08 TFLOP/s`."""
+    import json
+
+    from rich.console import Console
+
+    from launcher.launch.display.status import TelemetryBoard
+
+    assert describe({"tflops_per_device": tflops}) == line
+    board = TelemetryBoard([0])
+    board.update(0, json.dumps({"step": 3, "max_steps": 9, "tflops_per_device": tflops}))
+    console = Console(record=True, width=120)
+    console.print(board.render())
+    table = console.export_text()
+    assert "FLOP/s" in table and "TFLOP/s" not in table, table
+    assert f" {cell} " in table, table

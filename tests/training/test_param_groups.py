@@ -75,7 +75,7 @@ def _spec(folder: Path, recipe: str, strategy: str, **sections: dict) -> Path:
         recipe={"source": str(folder / "grouped.py"), "dataset": {}},
         optim=optim,
         train={"max_steps": STEPS, "log_every": 1, **sections.pop("train", {})},
-        checkpoint={"every_n_steps": 2},
+        checkpoint={"every_n_steps": 2, **sections.pop("checkpoint", {})},
         **sections,
     )
 
@@ -270,3 +270,162 @@ def _check_export_of_the_average(
     model.load_state_dict(torch.load(out, weights_only=True), strict=True)
     assert torch.equal(model.body.weight, saved["ema.body.weight"])
     assert torch.equal(model.frozen.weight, saved["frozen.weight"])  # not averaged
+
+
+class _OwnNorm(torch.nn.LayerNorm):
+    """A recipe's own norm: a LayerNorm to `modules: [LayerNorm]`."""
+
+
+def _sequential() -> torch.nn.Sequential:
+    """Parameters named by position (`1.weight`): no name says which are norms."""
+    return torch.nn.Sequential(
+        torch.nn.Embedding(10, 8),
+        torch.nn.LayerNorm(8),
+        torch.nn.Linear(8, 8),
+        torch.nn.Sequential(_OwnNorm(8), torch.nn.Linear(8, 2)),
+    )
+
+
+def test_groups_select_by_module_type_as_well_as_by_name() -> None:
+    model = _sequential()
+    norms = [model[1].weight, model[1].bias, model[3][0].weight, model[3][0].bias]
+    groups = [{"modules": ["LayerNorm"], "weight_decay": 0.0}, {"params": ["*.bias"], "lr": 0.5}]
+    grouping = group_parameters(OptimSection(groups=groups), model, None)
+    by_type, biases, rest = (g.params for g in grouping.groups)
+    assert by_type == norms  # a subclass of LayerNorm's too
+    assert biases == [model[2].bias, model[3][1].bias]  # the first group that selects one wins
+    assert rest == [model[0].weight, model[2].weight, model[3][1].weight]
+    assert grouping.names() == ["group1", "group2", "other"]
+    # `params` and `modules` in one group: what either selects.
+    both = [{"name": "no_decay", "params": ["0.*"], "modules": "LayerNorm", "weight_decay": 0.0}]
+    grouping = group_parameters(OptimSection(groups=both), model, None)
+    assert grouping.groups[0].params == [model[0].weight, *norms]
+    assert grouping.lines()[0].startswith(
+        "optim group 1 (no_decay) ['0.*'] modules ['LayerNorm']: 5 tensors, 112 parameters"
+    )
+    assert grouping.names() == ["no_decay", "other"]
+
+
+@pytest.mark.parametrize(
+    ("modules", "expected"),
+    [
+        (["LayerNrom"], ("module type 'LayerNrom' is the class of no module", "LayerNorm")),
+        (["ReLU"], ("module type 'ReLU' is the class of no module",)),
+        (["Sequential"], ()),  # every parameter: the whole model is one
+    ],
+)
+def test_a_module_type_must_name_modules_of_the_model(
+    modules: list[str], expected: tuple[str, ...]
+) -> None:
+    optim = OptimSection(groups=[{"modules": modules, "lr": 0.1}])
+    if not expected:
+        assert len(group_parameters(optim, _sequential(), None).groups) == 1
+        return
+    with pytest.raises(UsageError) as refused:
+        group_parameters(optim, _sequential(), None)
+    text = refused.value.message + "".join(refused.value.details)
+    assert all(part in text for part in expected), text
+
+
+def test_a_module_type_of_frozen_or_no_parameters_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.LayerNorm(2))
+    model[2].requires_grad_(False)
+    for modules, expected in ((["ReLU"], "'ReLU' has no parameters"), (["LayerNorm"], "frozen")):
+        with pytest.raises(UsageError, match=expected):
+            group_parameters(OptimSection(groups=[{"modules": modules}]), model, None)
+
+
+@pytest.mark.parametrize(
+    ("groups", "expected"),
+    [
+        ([{"name": "a b", "params": ["*"]}], "name: expected letters, digits"),
+        ([{"name": "other", "params": ["*"]}], "'other' names the parameters in no group"),
+        ([{"name": "x", "params": ["a"]}, {"name": "x", "params": ["b"]}], "two groups are named"),
+        ([{"modules": []}], "or `modules:` with one or more module class names"),
+    ],
+)
+def test_bad_group_selectors_are_refused(groups: list[dict], expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        OptimSection(groups=groups)
+
+
+# Sequential with a LayerNorm: only `modules` can say which parameters are the norm's.
+NORMED = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+
+def build_dataset(split):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+
+
+def test_module_types_and_each_groups_logged_rate(tmp_path: Path) -> None:
+    """`modules: [LayerNorm]` in a Sequential; the rate logged at step 1 is the one step 1
+    used (half the peak: the first of 2 warmup steps), and each group's beside it."""
+    groups = [{"name": "norms", "modules": ["LayerNorm"], "weight_decay": 0.0, "lr": 0.01}]
+    optim = {"lr": 0.001, "groups": groups, "warmup_steps": 2}
+    spec = _spec(tmp_path, NORMED, "ddp", optim=optim, checkpoint={"enabled": False})
+    checked = run_train(["validate", "--config", str(spec)], cwd=tmp_path)
+    assert "65 trainable in 2 optimizer groups" in checked.stdout, checked.stdout + checked.stderr
+    misspelled = json.dumps([{**groups[0], "modules": ["LayerNrom"]}])
+    typo = run_train(["validate", "--config", str(spec), f"optim.groups={misspelled}"], tmp_path)
+    usage_error(typo, "group 1's module type 'LayerNrom'", "close names: LayerNorm")
+    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "optim group 1 (norms) modules ['LayerNorm']: 2 tensors, 16 parameters" in out
+    steps = {r["step"]: r for r in metrics_of(only_run_dir(tmp_path / "runs")) if "lr" in r}
+    assert {k: v for k, v in steps[1].items() if k.startswith("lr")} == {
+        "lr": 0.001 * 0.5, "lr/norms": 0.01 * 0.5, "lr/other": 0.001 * 0.5,
+    }  # fmt: skip
+    assert steps[STEPS]["lr/norms"] == 0.01
+
+
+# A hook that sets its groups relative to the run's optimizer settings.
+RELATIVE_HOOK = """
+def param_groups(model, optim):
+    assert optim.name == "AdamW" and optim.weight_decay == 0.5
+    head = [model.head.weight, model.head.bias]
+    others = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head")]
+    return [{"name": "head", "params": head, "lr": optim.lr * 10}, {"params": others}]
+"""
+
+
+def test_a_hook_gets_the_optimizer_settings_an_override_made(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, RECIPE + RELATIVE_HOOK, "ddp", checkpoint={"enabled": False})
+    result = run_train(["--config", str(spec), "optim.lr=0.002"], cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "optim param_groups() group 1 (head): 2 tensors, 9 parameters, lr=0.02" in out
+    first = next(r for r in metrics_of(only_run_dir(tmp_path / "runs")) if "lr" in r)
+    assert (first["lr"], first["lr/head"], first["lr/group2"]) == (0.002, 0.002 * 10, 0.002)
+
+
+def test_a_hook_gets_the_settings_by_the_name_optim_alone() -> None:
+    module = ModuleType("recipe_under_test")
+    exec(
+        "def param_groups(model, decay=0.25):\n"  # an option of its own keeps its default
+        "    return [{'params': model.parameters(), 'weight_decay': decay}]\n",
+        module.__dict__,
+    )
+    grouping = group_parameters(OptimSection(), torch.nn.Linear(2, 1), Recipe("r.py", module))
+    assert grouping.groups[0].options == {"weight_decay": 0.25}
+    exec(
+        "def param_groups(model, *, optim):\n"
+        "    return [{'params': model.parameters(), 'lr': optim.lr / 4}]\n",
+        module.__dict__,
+    )
+    grouping = group_parameters(OptimSection(lr=0.5), torch.nn.Linear(2, 1), Recipe("r", module))
+    assert grouping.groups[0].options == {"lr": 0.125}
+    module.param_groups = lambda: []  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match=r"param_groups\(\) must take the model"):
+        group_parameters(OptimSection(), torch.nn.Linear(2, 1), Recipe("r.py", module))

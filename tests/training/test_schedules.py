@@ -16,6 +16,7 @@ from launcher.worker.optim import (
     build_scheduler,
     group_settings,
     lr_factor,
+    rates_used,
 )
 
 SCHEDULES = ["constant", "cosine", "linear", "wsd"]
@@ -74,3 +75,25 @@ def test_a_resume_goes_on_exactly_also_with_a_longer_run(schedule: str) -> None:
     assert reference[4][1] == pytest.approx(
         5 * reference[4][0]
     )  # each group's own lr, scheduled alike
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_logged_rates_are_those_the_update_used(schedule: str) -> None:
+    """After update N the logged `lr` is the one update N used (warmup's first is half the
+    peak with 2 warmup steps), and each group's where their rates differ."""
+    optim = OptimSection(lr=0.1, schedule=schedule, warmup_steps=2)  # type: ignore[arg-type]
+    optimizer = _optimizer(optim)
+    scheduler = build_scheduler(optim, optimizer, total_steps=6)
+    for step in range(1, 7):
+        used = [g["lr"] for g in optimizer.param_groups]
+        optimizer.step()
+        scheduler.step()
+        rates = rates_used(optim, scheduler, ["group1", "head"])
+        assert rates == {"lr": used[0], "lr/group1": used[0], "lr/head": used[1]}, step
+        if step == 1:
+            assert rates["lr"] == 0.1 * 0.5
+    alike = build_optimizer(optim, [{"params": [torch.nn.Parameter(torch.ones(2))]}])
+    one = build_scheduler(optim, alike, total_steps=6)
+    alike.step()
+    one.step()
+    assert rates_used(optim, one, ["group1"]) == {"lr": 0.05}  # one rate: no groups' keys

@@ -6,7 +6,7 @@ Telemetry lines are JSON objects written by the workers, e.g.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from statistics import fmean
 
 from rich import box
@@ -16,6 +16,7 @@ from rich.text import Text
 
 from launcher.launch.display.lines import rank_style
 from launcher.launch.ranks import format_ranks
+from launcher.metrics.flop_rate import flop_rate
 from launcher.metrics.telemetry import is_number
 from launcher.rundir.reading import parse_json_or_none
 
@@ -23,10 +24,11 @@ FIELDS = (
     "step", "max_steps", "loss", "val", "samples_per_s", "elapsed_s", "attempt",
     "tflops_per_device", "mfu", "max_memory_allocated_gib",
 )  # fmt: skip
-# Columns shown only once some rank reports them: (field, header, format).
-OPTIONAL = (
+# Columns shown only once some rank reports them: (field, header, format or formatter).
+Format = str | Callable[[float], str]
+OPTIONAL: tuple[tuple[str, str, Format], ...] = (
     ("val", "val", "{:.4g}"),
-    ("tflops_per_device", "TFLOP/s", "{:.3g}"),
+    ("tflops_per_device", "FLOP/s", lambda tflops: "".join(flop_rate(tflops))),  # 391.2T, 35.1G
     ("mfu", "MFU", "{:.1%}"),
     ("max_memory_allocated_gib", "mem GiB", "{:.1f}"),
 )
@@ -102,7 +104,7 @@ def _summarize(records: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-def _cells(record: dict[str, float], extra: Sequence[tuple[str, str, str]] = ()) -> list[str]:
+def _cells(record: dict[str, float], extra: Sequence[tuple[str, str, Format]] = ()) -> list[str]:
     step = _number(record.get("step"), "{:.0f}")
     if "max_steps" in record and "step" in record:
         step += f"/{record['max_steps']:.0f}"
@@ -113,12 +115,12 @@ def _cells(record: dict[str, float], extra: Sequence[tuple[str, str, str]] = ())
     return [step, loss, *optional, rate_text, format_elapsed(record.get("elapsed_s"))]
 
 
-def _number(value: float | None, spec: str) -> str:
+def _number(value: float | None, spec: Format) -> str:
     if value is None:
         return "-"
     if not math.isfinite(value):
         return str(value)
-    return spec.format(value)
+    return spec(value) if callable(spec) else spec.format(value)
 
 
 def format_elapsed(seconds: float | None) -> str:

@@ -18,6 +18,7 @@ from launcher.checkpoint.weights_source import FORMATS
 from launcher.checkpoint.whole_model import ModelRead, RecipeModel, human_bytes, read_model
 from launcher.errors import UsageError
 from launcher.rundir.atomic import write_new
+from launcher.rundir.disk import disk_bytes
 from launcher.rundir.layout import Best
 
 
@@ -38,7 +39,7 @@ class Exported:
         return cls(read.checkpoint, out, len(read.tensors), numel, read.skipped, read.best)
 
     def describe(self) -> str:
-        size = human_bytes(_disk_size(self.out))
+        size = human_bytes(disk_bytes(self.out))
         lines = [
             f"exported {self.tensors} tensors ({self.numel:,} values, {size}) "
             f"from {self.checkpoint} to {self.out}"
@@ -123,13 +124,6 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[key] = tensor if empty or (whole and ptr not in seen) else tensor.contiguous().clone()
         seen.add(ptr)
     return out
-
-
-def _disk_size(path: Path) -> int:
-    """A file's size, or a folder's files' (`--hf`)."""
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return path.stat().st_size
 
 
 def readable_like_any_file(path: Path) -> None:

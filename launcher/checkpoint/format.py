@@ -18,7 +18,7 @@ from typing import Any
 
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles
-from launcher.rundir.reading import UnreadableJson, open_regular, read_json
+from launcher.rundir.reading import UnreadableFile, UnreadableJson, open_file, read_json
 from launcher.safe_text import clean
 
 _ALLOWED = {
@@ -90,12 +90,11 @@ def saved_with(path: Path, prefix: str) -> bool:
 
 
 def _load_metadata(path: Path) -> Any:
-    metadata = CheckpointFiles(path).dcp_metadata
-    with open_regular(metadata) as file:  # a FIFO would block, a device never end
-        if file is None:
-            if not metadata.exists():
-                raise FileNotFoundError(metadata)
-            raise pickle.UnpicklingError(".metadata is not a regular file")
+    try:
+        file = open_file(CheckpointFiles(path).dcp_metadata)  # FileNotFoundError: missing
+    except UnreadableFile as exc:  # a FIFO would block, a device never end
+        raise pickle.UnpicklingError(f".metadata is {exc.reason}") from None
+    with file:
         try:
             return _MetadataUnpickler(file).load()
         except MemoryError:
@@ -186,10 +185,13 @@ def _state_damage(path: Path) -> str | None:
 
     for rank in range(read_meta(path)["world_size"]):
         name = files.rank_state(rank).name
-        with open_regular(files.rank_state(rank)) as file:  # a FIFO would block torch.load
-            if file is None:
-                exists = files.rank_state(rank).exists()
-                return f"{name} is not a regular file" if exists else f"{name} is missing"
+        try:
+            file = open_file(files.rank_state(rank))  # a FIFO would block torch.load
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except UnreadableFile as exc:
+            return f"{name} is {exc.reason}"
+        with file:
             try:
                 torch.load(file, map_location="cpu", weights_only=True)
             except Exception as exc:  # torch raises a different type for each way it breaks

@@ -11,11 +11,7 @@ not at all, and a folder that holds anything is never written into.
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +21,7 @@ from launcher.checkpoint.export import Exported, readable_like_any_file
 from launcher.checkpoint.whole_model import RecipeModel, read_model
 from launcher.errors import UsageError
 from launcher.parallel.hugging_face import is_hf_model
+from launcher.rundir.atomic import write_new_folder
 
 DEFAULT_SHARD_SIZE = "5GB"  # the Hub's usual shard size (transformers 5's own default: 50GB)
 _NEVER_OVERWRITTEN = "Choose another --hf folder, or empty this one first."
@@ -60,8 +57,13 @@ def export_hf(
         # A copy: save_pretrained empties the dict it is given, and drops tied names from it.
         state = dict(read.tensors)
         model.save_pretrained(folder, state_dict=state, max_shard_size=shard_bytes)
+        for file in folder.iterdir():
+            readable_like_any_file(file)
 
-    write_new_folder(out, save)
+    if not write_new_folder(out, save):
+        raise UsageError(
+            f"--hf {out}: written to meanwhile; it is never overwritten", hint=_NEVER_OVERWRITTEN
+        )
     return Exported.of(read, out)
 
 
@@ -123,26 +125,3 @@ def _check_fits(model: nn.Module, tensors: dict[str, torch.Tensor], checkpoint: 
                 hint="The recipe or recipe.model changed since the run: restore them, or "
                 "export the state_dict with --out FILE.",
             ) from None
-
-
-def write_new_folder(out: Path, write: Callable[[Path], None]) -> None:
-    """Has `write` fill a hidden folder beside `out`, then renames it `out`: a rename takes
-    the place of a missing or empty folder only, so a folder that got files meanwhile is
-    never replaced, and a crash leaves no half folder under `out`."""
-    partial = out.with_name(f".{out.name}.{os.getpid()}")
-    partial.mkdir()
-    try:
-        write(partial)
-        for file in partial.iterdir():
-            readable_like_any_file(file)
-        try:
-            os.rename(partial, out)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                raise
-            raise UsageError(
-                f"--hf {out}: written to meanwhile; it is never overwritten",
-                hint=_NEVER_OVERWRITTEN,
-            ) from None
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from collections.abc import Iterable
-from pathlib import Path
 
+from launcher.rundir.disk import disk_bytes, megabytes
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.rundir.lock import RunLock
 
@@ -35,7 +34,7 @@ def finish_cut_short(layout: RunLayout, lock: RunLock) -> str | None:
         return None
     freed, removed = 0, []
     for folder in layout.cut_short_deletions():
-        size = _bytes_in(folder)
+        size = disk_bytes(folder)
         shutil.rmtree(folder, ignore_errors=True)
         if not folder.exists():
             freed, removed = freed + size, [*removed, folder.name]
@@ -43,18 +42,5 @@ def finish_cut_short(layout: RunLayout, lock: RunLock) -> str | None:
         return None
     return (
         f"removed {', '.join(removed)} from {layout.checkpoints}: old checkpoints whose "
-        f"pruning was cut short ({freed / 2**20:,.1f} MB freed)"
+        f"pruning was cut short ({megabytes(freed)} freed)"
     )
-
-
-def _bytes_in(folder: Path) -> int:
-    """The bytes of the files under `folder`, links not followed."""
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                info = os.lstat(os.path.join(root, name))
-            except OSError:  # removed meanwhile
-                continue
-            total += info.st_size if stat.S_ISREG(info.st_mode) else 0
-    return total

@@ -16,7 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from launcher.rundir.reading import JSON_LIMITS, UnreadableJson, open_regular, parse_json
+from launcher.rundir.reading import (
+    JSON_LIMITS,
+    UnreadableFile,
+    UnreadableJson,
+    open_file,
+    parse_json,
+)
 
 HEADER_LIMIT = JSON_LIMITS["safetensors header"]  # safetensors' own limit
 # The bytes of an element of each dtype safetensors loads into torch (`safetensors.torch`).
@@ -48,9 +54,13 @@ def tensor_shapes(path: Path) -> dict[str, list[int]]:
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The header's JSON object, and how many bytes of tensors follow it."""
-    with open_regular(path) as file:
-        if file is None:
-            raise NotSafetensors("not a regular file" if path.exists() else "no such file")
+    try:
+        file = open_file(path)
+    except FileNotFoundError:
+        raise NotSafetensors("no such file") from None
+    except UnreadableFile as exc:
+        raise NotSafetensors(exc.reason) from None
+    with file:
         size = os.fstat(file.fileno()).st_size
         length = int.from_bytes(file.read(8).ljust(8, b"\0"), "little")
         if length > HEADER_LIMIT:

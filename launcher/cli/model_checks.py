@@ -18,7 +18,6 @@ from torch import nn
 from launcher.config.spec import LoadSection, OptimSection, RunSpec
 from launcher.errors import UsageError
 from launcher.parallel.base import map_tensors
-from launcher.parallel.sharded_init import MetaBuildFailed, build_on_meta
 from launcher.parallel.tensor_parallel import apply_tensor_parallel
 from launcher.worker.optim import build_optimizer
 from launcher.worker.param_groups import Grouping
@@ -59,22 +58,23 @@ def stand_in_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def tensor_parallel_split(recipe: Recipe, spec: RunSpec, batch: Any) -> str | None:
-    """The model built on the meta device, split over a fake `tp` mesh by the plan the run
-    applies, and the recipe's loss run on it and `batch`: a split the model cannot take (more
-    processes than attention heads) fails in that loss, and is refused naming `parallel.tp`.
-    Returns why the split could not be checked (None: checked)."""
+def tensor_parallel_split(
+    model: nn.Module, recipe: Recipe, spec: RunSpec, batch: Any
+) -> str | None:
+    """`model`, built on the meta device and not yet split, split over a fake `tp` mesh by the
+    plan the run applies (in place: the caller has no use for it after), and the recipe's loss
+    run on it and `batch`: a split the model cannot take (more processes than attention heads)
+    fails in that loss, and is refused naming `parallel.tp`. Returns why the split could not be
+    checked (None: checked)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from launcher.parallel.memory_estimate import fake_process_group
 
     tp = spec.parallel.tp
+    # The model may be built before the process group: building a module asks nothing of
+    # torch.distributed; the mesh, the split and the DTensors' ops in the loss do.
     with fake_process_group(tp), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DTensor's and FSDP's warnings are the run's to give
-        try:
-            model = build_on_meta(lambda: recipe.build_model(**spec.recipe.model))
-        except MetaBuildFailed:
-            return "the model cannot be built on the meta device"
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
         _split(model, mesh, recipe)
         try:

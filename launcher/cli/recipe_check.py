@@ -153,7 +153,7 @@ def dry_build(spec: RunSpec, origin: str = "") -> str:
     if unchecked:
         parts.append(f"loss not checked ({unchecked})")
     elif spec.parallel.tp > 1:
-        split_unchecked = tensor_parallel_split(recipe, spec, batch)
+        split_unchecked = tensor_parallel_split(model, recipe, spec, batch)
         if split_unchecked:
             parts.append(f"parallel.tp split not checked ({split_unchecked})")
     devices = spec.launch.devices if isinstance(spec.launch.devices, int) else 1
@@ -167,12 +167,20 @@ def _model_summary(recipe: Recipe, spec: RunSpec) -> tuple[torch.nn.Module, bool
     try:
         model, where = build_on_meta(lambda: recipe.build_model(**spec.recipe.model)), ""
     except MetaBuildFailed as failed:
-        fsdp = spec.launch.strategy == "fsdp"
-        if fsdp and spec.fsdp.init == "meta":
+        from launcher.parallel.fsdp import shards_the_model  # FSDP's import, for this case alone
+
+        devices = spec.launch.devices if isinstance(spec.launch.devices, int) else 1
+        # Where the run itself tries the meta device: fsdp that shards, unless told cpu.
+        tries_meta = (
+            spec.launch.strategy == "fsdp"
+            and spec.fsdp.init != "cpu"
+            and shards_the_model(spec.fsdp, devices)
+        )
+        if tries_meta and spec.fsdp.init == "meta":
             raise
         model = _user_call("recipe: build_model()", recipe.build_model, **spec.recipe.model)
         where = f" (built on the CPU: {failed.reason}" + (
-            "; fsdp.init: auto builds it on CPU in every process)" if fsdp else ")"
+            "; fsdp.init: auto builds it on CPU in every process)" if tries_meta else ")"
         )
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -226,6 +234,7 @@ def _val_summary(recipe: Recipe, spec: RunSpec) -> str:
     else:
         summary = f"val {dataset_length(dataset, 'val'):,} samples"
     collate = collate_fn(recipe.collate_hook(), "val")
+    checked_start(spec.data, {"the val dataset": dataset, "the recipe's collate": collate})
     _check_batch(DataLoader(dataset, batch_size=spec.data.batch_size, collate_fn=collate), what)
     return summary
 

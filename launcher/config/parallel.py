@@ -39,11 +39,12 @@ class ParallelSection(Section):
     )
 
 
-def strategy_takes(strategy: str, name: str, value: Any) -> bool:
-    """Whether `launch.strategy` takes `parallel.<name>: value` on some world (the degrees
-    against this world are `launcher.parallel.dims`'s check): fsdp takes every dimension; ddp
-    only replicas, whose number is the world's (as unset or `auto` says); the xla strategies
-    lay the model out themselves and take none."""
+def kept_on_resume(strategy: str, name: str, value: Any) -> bool:
+    """Whether a run resumed as `launch.strategy` (given now) keeps its stored
+    `parallel.<name>: value`, or drops it to the default (`launcher.config.resume`): fsdp keeps
+    every dimension; ddp only replicas left to the world (unset or `auto`: its only layout);
+    the xla strategies lay the model out themselves and keep none. What is kept is checked
+    against the world at launch (`launcher.parallel.dims`)."""
     if strategy == "fsdp":
         return True
     if strategy == "ddp" and name == "dp_replicate":

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel
 
 from launcher.config.loader import SpecLayers, validate_spec
-from launcher.config.parallel import strategy_takes
+from launcher.config.parallel import kept_on_resume
 from launcher.config.section import Section
 from launcher.config.sources import changed_keys, set_keys
 from launcher.config.spec import RunSpec
@@ -92,7 +92,7 @@ def _drop_what_the_new_strategy_cannot_take(
     dropped = {}
     for name, value in list(stored.items() if isinstance(stored, dict) else ()):
         key = f"parallel.{name}"
-        if key not in origins and not strategy_takes(strategy, name, value):
+        if key not in origins and not kept_on_resume(strategy, name, value):
             _delete(raw, key)
             dropped[key] = f"dropped: launch.strategy {strategy} cannot take it"
     return dropped

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from launcher.errors import UsageError
+from launcher.launch.ranks import plain_number
 from launcher.parallel.registry import STRATEGIES, strategy_info
 
 TPU_INSTALL = (
@@ -198,10 +198,10 @@ def _xla_devices(devices: int | str, strategy: str, named: str) -> Devices:
 
 
 def _cpu_num_devices(named: str) -> int:
-    text = os.environ.get("CPU_NUM_DEVICES", "1")
-    if not re.fullmatch(r"[0-9]{1,9}", text) or int(text) < 1:
+    count = plain_number(os.environ.get("CPU_NUM_DEVICES", "1"))
+    if not count:  # None, or 0
         raise UsageError(
             f"{named}: expected a positive number of XLA CPU devices",
             hint="Set CPU_NUM_DEVICES=N, or give --devices N.",
         )
-    return int(text)
+    return count

@@ -23,6 +23,7 @@ from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.root_cause import root_cause
 from launcher.launch.watchdog import Stall, describe
+from launcher.rundir.disk import disk_bytes, megabytes
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.rundir.reading import read_log_tail
 from launcher.safe_text import clean
@@ -179,7 +180,7 @@ def storage_notes(layout: RunLayout) -> list[str]:
             files = CheckpointFiles(path)
             if path.is_dir() and files.looks_interrupted and not files.is_complete:
                 notes.append(
-                    f"a save that did not finish left {path} ({_megabytes(_size(path))}); it "
+                    f"a save that did not finish left {path} ({megabytes(disk_bytes(path))}); it "
                     "is never resumed from: delete it to free the space"
                 )
     free = None
@@ -187,22 +188,10 @@ def storage_notes(layout: RunLayout) -> list[str]:
         free = shutil.disk_usage(layout.root).free
     if free is not None and free < _FULL_BELOW_BYTES:
         notes.append(
-            f"the disk holding {layout.root} is full ({_megabytes(free)} free): free space, "
+            f"the disk holding {layout.root} is full ({megabytes(free)} free): free space, "
             "or keep fewer checkpoints (checkpoint.keep_last)"
         )
     return notes
-
-
-def _size(folder: Path) -> int:
-    total = 0
-    for path in folder.rglob("*"):
-        with contextlib.suppress(OSError):
-            total += path.stat().st_size if path.is_file() else 0
-    return total
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 2**20:,.1f} MB"
 
 
 def explain_rendezvous_error(error: BaseException, plan: LaunchPlan) -> None:

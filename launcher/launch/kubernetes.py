@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
+from launcher.launch.node_values import parse_node_count, parse_port
+from launcher.launch.ranks import plain_number
 
 DEFAULT_PORT = 29500  # JobSets and SkyPilot give no port: torchrun's usual one
 NPROC_PER_NODE = "PET_NPROC_PER_NODE"  # torchrun's processes per node, where a job sets it
@@ -34,7 +36,6 @@ _PYTORCHJOB_POD = re.compile(r"^(?P<job>[a-z0-9][a-z0-9-]*)-(master|worker)-\d+$
 _TRAINJOB_MASTER = re.compile(r"^(?P<job>[a-z0-9-]+)-(trainer-)?node-0-0\.(?P=job)(\.|$)")
 _INDEXED_POD = re.compile(r"^(?P<job>[a-z0-9][a-z0-9-]*)-(?P<index>\d+)$")
 _NOT_IN_JOB_ID = re.compile(r"[^A-Za-z0-9._-]+")
-_NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII digits, few enough for int() ("²" is a digit too)
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?")  # or an IPv4 address
 # torchrun's --nproc-per-node words: leave the count to `--devices`.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -45,7 +46,10 @@ class JobNodes:
     """What a pod's environment says about the run's nodes; None where it says nothing."""
 
     nnodes: str | None  # N, or MIN:MAX; None: an Indexed Job, which does not say
-    node_rank: int | None
+    nnodes_from: str  # the variable that gave it: errors name it
+    # As set: `nodes.py` checks it against the node count, which a flag may give instead.
+    node_rank: str | None
+    node_rank_from: str
     endpoint: str | None  # HOST:PORT of the rendezvous, on node 0
     job_id: str | None  # names the run folder; None: no name found (--rdzv-id must give one)
     source: str  # "Kubeflow PyTorchJob my-job": where the values came from
@@ -77,10 +81,11 @@ def _kubeflow(env: Mapping[str, str]) -> JobNodes | None:
     for nnodes, rank, master, port in _KUBEFLOW_KEYS:
         if all(env.get(key) for key in (nnodes, rank, master, port)):
             kind, job = _kubeflow_job(env[master], env.get("HOSTNAME", ""))
-            count = _node_count(env, nnodes, elastic=nnodes == "PET_NNODES")
             return JobNodes(
-                nnodes=count,
-                node_rank=_node_rank(env, rank, count, nnodes),
+                nnodes=_node_count(env, nnodes, elastic=nnodes == "PET_NNODES"),
+                nnodes_from=nnodes,
+                node_rank=env[rank],
+                node_rank_from=rank,
                 endpoint=f"{_host(master, env[master])}:{_port(env, port)}",
                 job_id=job,
                 source=f"Kubeflow {kind} {job}" if job else f"{master}, {nnodes} and {rank}",
@@ -117,10 +122,11 @@ def _indexed_job(env: Mapping[str, str], fqdn: Callable[[], str]) -> JobNodes | 
     # Pod 0's stable name under the same headless service: `<job>-0.<subdomain>...`.
     port = _port(env, "MASTER_PORT")
     jobset = env.get("JOBSET_NAME")
-    count = _node_count(env, "PET_NNODES", elastic=True) if env.get("PET_NNODES") else None
     return JobNodes(
-        nnodes=count,
-        node_rank=_node_rank(env, "JOB_COMPLETION_INDEX", count, "PET_NNODES"),
+        nnodes=_node_count(env, "PET_NNODES", elastic=True) if env.get("PET_NNODES") else None,
+        nnodes_from="PET_NNODES",
+        node_rank=index,
+        node_rank_from="JOB_COMPLETION_INDEX",
         endpoint=f"{pod['job']}-0{dot}{domain}:{port}",
         job_id=jobset or pod["job"],
         source=f"JobSet {jobset}" if jobset else f"Indexed Job {pod['job']}",
@@ -135,10 +141,11 @@ def _skypilot(env: Mapping[str, str]) -> JobNodes | None:
     head = _host("SKYPILOT_NODE_IPS", env["SKYPILOT_NODE_IPS"], first_line=True)
     # A managed job keeps its task id across recoveries: it names the run folder.
     task = _NOT_IN_JOB_ID.sub("-", env.get("SKYPILOT_TASK_ID", "")).strip("-._")[:100] or None
-    count = _node_count(env, "SKYPILOT_NUM_NODES", elastic=False)
     return JobNodes(
-        nnodes=count,
-        node_rank=_node_rank(env, "SKYPILOT_NODE_RANK", count, "SKYPILOT_NUM_NODES"),
+        nnodes=_node_count(env, "SKYPILOT_NUM_NODES", elastic=False),
+        nnodes_from="SKYPILOT_NUM_NODES",
+        node_rank=env["SKYPILOT_NODE_RANK"],
+        node_rank_from="SKYPILOT_NODE_RANK",
         endpoint=f"{head}:{_port(env, 'MASTER_PORT')}",
         job_id=task,
         source=f"SkyPilot task {task}" if task else "SkyPilot",
@@ -147,32 +154,16 @@ def _skypilot(env: Mapping[str, str]) -> JobNodes | None:
 
 # The operators set these; a value that is not what they set (a typo in a pod's env, a
 # variable left blank) is refused by its name, never left to crash or to pass for a flag's.
+# Only torchrun's PET_NNODES may be MIN:MAX: WORLD_SIZE and SKYPILOT_NUM_NODES count pods.
 
 
 def _node_count(env: Mapping[str, str], key: str, *, elastic: bool) -> str:
-    """N, or (torchrun's PET_NNODES) MIN:MAX."""
-    text = env[key]
-    parts = text.split(":") if elastic else [text]
-    if len(parts) > 2 or not all(_NUMBER.fullmatch(p) and int(p) > 0 for p in parts):
-        form = "N or MIN:MAX" if elastic else "N"
-        raise UsageError(f"{key}={echo(text)}: expected the job's node count, {form}, 1 or more")
-    return text
+    parse_node_count(env[key], key, elastic=elastic)
+    return env[key]
 
 
-def _node_rank(env: Mapping[str, str], key: str, count: str | None, count_key: str) -> int:
-    text = env[key]
-    top = int(count.split(":")[-1]) if count is not None else None
-    if not _NUMBER.fullmatch(text) or (top is not None and int(text) >= top):
-        within = f" and below {count_key}={count}" if top is not None else ""
-        raise UsageError(f"{key}={echo(text)}: expected this node's rank: 0 or more{within}")
-    return int(text)
-
-
-def _port(env: Mapping[str, str], key: str) -> str:
-    text = env.get(key) or str(DEFAULT_PORT)
-    if not (_NUMBER.fullmatch(text) and 0 < int(text) < 65536):
-        raise UsageError(f"{key}={echo(text)}: expected the rendezvous port, 1 to 65535")
-    return text
+def _port(env: Mapping[str, str], key: str) -> int:
+    return parse_port(env.get(key) or str(DEFAULT_PORT), key)
 
 
 def _host(key: str, value: str, first_line: bool = False) -> str:
@@ -200,9 +191,10 @@ def _devices(env: Mapping[str, str]) -> int | None:
     text = env.get(NPROC_PER_NODE, "")
     if not text or text in _NPROC_WORDS:
         return None
-    if not (_NUMBER.fullmatch(text) and int(text) > 0):
+    count = plain_number(text)
+    if not count:  # None, or 0
         raise UsageError(
             f"{NPROC_PER_NODE}={echo(text)}: expected the processes per node, 1 or more, or "
             f"one of {', '.join(_NPROC_WORDS)}"
         )
-    return int(text)
+    return count

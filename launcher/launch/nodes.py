@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 from launcher.errors import UsageError
 from launcher.launch import kubernetes, slurm
 from launcher.launch.kubernetes import JobNodes
+from launcher.launch.node_values import parse_node_count, parse_node_rank, port_number
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII digits, few enough for int() ("²" is a digit too)
 
 
 @dataclass(frozen=True)
@@ -63,23 +63,22 @@ def resolve_nodes(
     fqdn: Callable[[], str] = socket.getfqdn,
 ) -> Nodes:
     """The flags, with a SLURM allocation's or a Kubernetes pod's values where a flag is not
-    given. `fqdn`: this host's full name (a JobSet's pods find pod 0 by it)."""
+    given. `fqdn`: this host's full name (a JobSet's pods find pod 0 by it). Each value is
+    refused by the name of the flag or the variable it came from."""
     found = _job_nodes(env or {}, fqdn)
+    if nnodes or found is None:
+        low, high = parse_node_count(nnodes or "1")
+        count = f"--nnodes {nnodes}"
+    else:
+        nnodes = _node_count(found)
+        low, high = parse_node_count(nnodes, found.nnodes_from)
+        count = f"{found.nnodes_from}={nnodes}"
+    rank = _node_rank(node_rank, found, high, count)
+    given_endpoint = endpoint
     if found is not None:
-        nnodes = nnodes or _node_count(found)
-        if node_rank is None and found.node_rank is not None:
-            node_rank = str(found.node_rank)
         endpoint = endpoint or found.endpoint
         job_id = job_id or found.job_id
-    low, high = _parse_nnodes(nnodes or "1")
-    if high == 1 and not found and node_rank not in (None, "0"):
-        raise UsageError(f"--node-rank {node_rank}: a run of one node has only node 0")
-    rank = _parse_node_rank(node_rank, high) if node_rank is not None else None
-    if job_id is not None and not _JOB_ID.match(job_id):
-        raise UsageError(
-            f"--rdzv-id {job_id!r}: it names the run folder, so use letters, digits, '.', '_' "
-            "and '-' (at most 100)"
-        )
+    _check_job_id(job_id)
     if high == 1:
         if not found and endpoint:
             raise UsageError("--rdzv-endpoint: only used with --nnodes above 1")
@@ -91,7 +90,8 @@ def resolve_nodes(
             "on every node",
             hint="e.g. --rdzv-endpoint node01:29500 (any free port on node 0).",
         )
-    _check_endpoint(endpoint)
+    if given_endpoint:  # a cluster's was checked where it was read, by its variables' names
+        _check_endpoint(given_endpoint)
     if job_id is None:
         within = f" ({found.source} gives no job name)" if found else ""
         raise UsageError(
@@ -100,6 +100,26 @@ def resolve_nodes(
             hint="e.g. --rdzv-id exp42",
         )
     return _with_job(Nodes(low, high, None if low != high else rank, endpoint, job_id), found)
+
+
+def _node_rank(flag: str | None, found: JobNodes | None, nnodes: int, count: str) -> int | None:
+    """--node-rank, else the cluster's variable; None where neither says. `count`: the node
+    count as an error names it (`PET_NNODES=4`, `--nnodes 4`)."""
+    if flag is not None:
+        if nnodes == 1 and found is None and flag != "0":
+            raise UsageError(f"--node-rank {flag}: a run of one node has only node 0")
+        return parse_node_rank(flag, nnodes)
+    if found is None or found.node_rank is None:
+        return None
+    return parse_node_rank(found.node_rank, nnodes, found.node_rank_from, count)
+
+
+def _check_job_id(job_id: str | None) -> None:
+    if job_id is not None and not _JOB_ID.match(job_id):
+        raise UsageError(
+            f"--rdzv-id {job_id!r}: it names the run folder, so use letters, digits, '.', '_' "
+            "and '-' (at most 100)"
+        )
 
 
 def _with_job(nodes: Nodes, found: JobNodes | None) -> Nodes:
@@ -136,7 +156,9 @@ def _job_nodes(env: Mapping[str, str], fqdn: Callable[[], str]) -> JobNodes | No
         return None
     return JobNodes(
         nnodes=str(allocation.nnodes),
-        node_rank=allocation.node_rank,
+        nnodes_from=allocation.nnodes_from,
+        node_rank=str(allocation.node_rank),
+        node_rank_from="SLURM_NODEID",
         endpoint=allocation.endpoint,
         job_id=allocation.job_id,
         source=f"SLURM job {allocation.job_id}",
@@ -144,32 +166,9 @@ def _job_nodes(env: Mapping[str, str], fqdn: Callable[[], str]) -> JobNodes | No
     )
 
 
-def _parse_nnodes(text: str) -> tuple[int, int]:
-    low, sep, high = text.partition(":")
-    try:
-        bounds = (int(low), int(high)) if sep else (int(text), int(text))
-    except ValueError:
-        bounds = (0, 0)
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise UsageError(
-            f"--nnodes {text}: expected a node count such as 4, or MIN:MAX such as 2:4 for an "
-            "elastic run"
-        )
-    return bounds
-
-
-def _parse_node_rank(text: str, nnodes: int) -> int:
-    if not _NUMBER.fullmatch(text) or int(text) >= nnodes:
-        raise UsageError(
-            f"--node-rank {text}: expected 0 to {nnodes - 1}, this node's place among "
-            f"{nnodes} nodes (node 0 hosts the rendezvous)"
-        )
-    return int(text)
-
-
 def _check_endpoint(endpoint: str) -> None:
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not _NUMBER.fullmatch(port) or not 0 < int(port) < 65536:
+    if not sep or not host or port_number(port) is None:
         raise UsageError(
             f"--rdzv-endpoint {endpoint}: expected HOST:PORT, e.g. node01:29500 (node 0's "
             "address and a free port there)"

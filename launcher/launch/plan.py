@@ -23,7 +23,7 @@ from launcher.launch import folder_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.kubernetes import NPROC_PER_NODE
 from launcher.launch.nodes import Nodes
-from launcher.launch.ranks import parse_ranks
+from launcher.launch.ranks import parse_ranks, plain_number
 from launcher.launch.tpu_pod import host_index
 from launcher.metrics.trackers import check_trackers_usable
 from launcher.parallel.dims import resolve_dims
@@ -365,10 +365,10 @@ def _run_and_resume(
 def _omp_threads(accelerator: str, nproc: int) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         value = os.environ["OMP_NUM_THREADS"]
-        # ASCII digits alone: "²" is a digit to str.isdigit, and int() refuses it.
-        if not (value.isascii() and value.isdigit() and len(value) < 7) or int(value) < 1:
+        threads = plain_number(value, digits=6)
+        if not threads:  # None, or 0
             raise UsageError(f"OMP_NUM_THREADS={value!r}: expected a positive number, or unset it")
-        return int(value)
+        return threads
     if accelerator == "cpu":
         # Oversubscribed cores make every replica slower than fewer threads would.
         return max(1, (os.cpu_count() or 1) // nproc)

@@ -1,4 +1,5 @@
-"""Rank sets as short text: ``0-3,5,7-8``.
+"""Rank sets as short text: ``0-3,5,7-8``, and the plain number every count, rank and port
+the launcher reads from a flag or an environment variable is read as.
 
 Used for the ``--ranks`` flag and for prefixes of lines that several ranks printed.
 """
@@ -6,6 +7,16 @@ Used for the ``--ranks`` flag and for prefixes of lines that several ranks print
 from collections.abc import Iterable
 
 _EXPECTED = "use a comma-separated list such as 0,2-3"
+
+
+def plain_number(text: str, digits: int = 9) -> int | None:
+    """`text` as a number where it is ASCII digits alone, at most `digits` of them; else None.
+
+    str.isdigit() takes "²", which int() refuses; int() takes " 4", "+4", "4_0" and "٤", which
+    no flag or variable means; and the bound keeps int() off a 5,000-digit string."""
+    if text.isascii() and text.isdigit() and len(text) <= digits:
+        return int(text)
+    return None
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -43,8 +54,7 @@ def _parse_part(part: str) -> range:
 
 
 def _parse_rank(token: str, part: str) -> int:
-    # isdigit() rejects signs, spaces and the empty string, which int() would partly accept.
-    token = token.strip()
-    if not token.isascii() or not token.isdigit():
+    rank = plain_number(token.strip())
+    if rank is None:
         raise ValueError(f"--ranks: {part!r} is not a rank or rank range; {_EXPECTED}")
-    return int(token)
+    return rank

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from launcher.config.spec import RUN_NAME_PATTERN
 from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
+from launcher.launch.node_values import parse_node_count, parse_node_rank, parse_port
+from launcher.launch.ranks import plain_number
 
 DEFAULT_PORT = 29500
 _BRACKET = re.compile(r"\[([^\]]+)\]")
@@ -51,19 +53,22 @@ def _expand_one(name: str) -> list[str]:
     out = []
     for item in match[1].split(","):
         low, _, high = item.partition("-")
-        if not high:
-            numbers = [low]
-        else:
-            if not (low.isdecimal() and high.isdecimal() and len(low + high) <= 12):
-                raise ValueError(f"not a range of numbers: {item!r} in host list")
-            if int(high) < int(low):
-                raise ValueError(f"descending range {item!r} in host list")
-            if int(high) - int(low) >= _MOST_HOSTS:
-                raise ValueError(f"range {item!r} in host list: more than {_MOST_HOSTS} hosts")
-            numbers = [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+        numbers = _numbered(item, low, high) if high else [low]
         for number in numbers:
             out += _expand_one(head + number + tail)
     return out
+
+
+def _numbered(item: str, low: str, high: str) -> list[str]:
+    """`01-04` -> 01, 02, 03, 04: zero-padded as its first number is."""
+    first, last = plain_number(low, digits=12), plain_number(high, digits=12)
+    if first is None or last is None:
+        raise ValueError(f"not a range of numbers: {item!r} in host list")
+    if last < first:
+        raise ValueError(f"descending range {item!r} in host list")
+    if last - first >= _MOST_HOSTS:
+        raise ValueError(f"range {item!r} in host list: more than {_MOST_HOSTS} hosts")
+    return [str(n).zfill(len(low)) for n in range(first, last + 1)]
 
 
 def check_one_task_per_node(env: Mapping[str, str]) -> None:
@@ -88,6 +93,7 @@ class SlurmNodes:
     master: str  # the first node of the allocation hosts the rendezvous
     port: int
     job_id: str
+    nnodes_from: str = "SLURM_STEP_NUM_NODES"  # the variable that gave the count
 
     @property
     def endpoint(self) -> str:
@@ -101,24 +107,40 @@ def from_environment(env: Mapping[str, str]) -> SlurmNodes | None:
     nodelist = env.get("SLURM_STEP_NODELIST")
     if not job or not nodelist or "SLURM_STEP_ID" not in env or "SLURM_NODEID" not in env:
         return None
+    hosts = _hosts(nodelist)
+    # The step's nodes, not the allocation's: `srun -N2` may run in a 4-node allocation.
+    if env.get("SLURM_STEP_NUM_NODES"):
+        count_from = "SLURM_STEP_NUM_NODES"
+        nnodes = parse_node_count(env[count_from], count_from, elastic=False)[1]
+        count = f"{count_from}={nnodes}"
+    else:
+        count_from, nnodes = "SLURM_STEP_NODELIST", len(hosts)
+        count = f"the {nnodes} hosts of SLURM_STEP_NODELIST"
+    rank = parse_node_rank(env["SLURM_NODEID"], nnodes, "SLURM_NODEID", count)
+    # A fixed port per job: every node computes the same one, and two jobs sharing a first
+    # node do not collide. MASTER_PORT, when set, wins.
+    port = DEFAULT_PORT + _job_number(job) % 1000
+    if env.get("MASTER_PORT"):
+        port = parse_port(env["MASTER_PORT"], "MASTER_PORT")
+    return SlurmNodes(nnodes, rank, hosts[0], port, job, count_from)
+
+
+def _hosts(nodelist: str) -> list[str]:
     try:
         hosts = expand_hostlist(nodelist)
     except ValueError as exc:
         raise UsageError(f"SLURM_STEP_NODELIST={echo(nodelist)}: {exc}") from None
-    # The step's nodes, not the allocation's: `srun -N2` may run in a 4-node allocation.
-    nnodes = _number(env, "SLURM_STEP_NUM_NODES") if env.get("SLURM_STEP_NUM_NODES") else len(hosts)
-    # A fixed port per job: every node computes the same one, and two jobs sharing a first
-    # node do not collide. MASTER_PORT, when set, wins.
-    default_port = DEFAULT_PORT + _number(env, "SLURM_JOB_ID") % 1000
-    port = _number(env, "MASTER_PORT") if env.get("MASTER_PORT") else default_port
-    return SlurmNodes(nnodes, _number(env, "SLURM_NODEID"), hosts[0], port, job)
+    if not hosts:  # `,`: no node to host the rendezvous
+        raise UsageError(f"SLURM_STEP_NODELIST={echo(nodelist)}: expected the step's hosts")
+    return hosts
 
 
-def _number(env: Mapping[str, str], key: str) -> int:
-    """A number SLURM sets (or MASTER_PORT): anything else is refused by its name."""
-    if not re.fullmatch(r"[0-9]{1,9}", env[key]):
-        raise UsageError(f"{key}={echo(env[key])}: expected a number, as SLURM sets it")
-    return int(env[key])
+def _job_number(job: str) -> int:
+    # SLURM's job ids are 32-bit: up to 10 digits.
+    number = plain_number(job, digits=10)
+    if number is None:
+        raise UsageError(f"SLURM_JOB_ID={echo(job)}: expected a number, as SLURM sets it")
+    return number
 
 
 # CPU cores the script asks for per GPU, unless told otherwise: the GPU's process and its

@@ -11,14 +11,16 @@ from collections.abc import Mapping
 
 import yaml
 
+from launcher.launch.ranks import plain_number
+
 _METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/tpu-env"
 
 
 def host_index(env: Mapping[str, str], ask_metadata: bool = True) -> int:
     """This host's index in its TPU slice: 0 on a single host."""
     for key in ("CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
-        if (value := env.get(key, "")).isascii() and value.isdigit() and len(value) < 7:
-            return int(env[key])
+        if (index := plain_number(env.get(key, ""), digits=6)) is not None:
+            return index
     if ask_metadata and not env.get("TPU_SKIP_MDS_QUERY"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
             request = urllib.request.Request(_METADATA, headers={"Metadata-Flavor": "Google"})

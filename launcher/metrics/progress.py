@@ -121,11 +121,6 @@ class Progress:
         return json.dumps({"step": self.step, "metrics": metrics, "about": self.about})
 
     @classmethod
-    def from_json(cls, text: bytes | str) -> Progress:
-        """Raises ValueError (or TypeError) where the text is not one."""
-        return cls.from_record(json.loads(text))
-
-    @classmethod
     def from_record(cls, record: Any) -> Progress:
         """progress.json's record, parsed; raises ValueError, TypeError, KeyError or
         AttributeError where it is not one."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from launcher.rundir.reading import open_regular
+from launcher.rundir.reading import open_file
 
 FILE_VERSION = "brain.Event:2"
 # TensorBoard loads every file whose name holds "tfevents"; this is the name its writers use.
@@ -151,8 +151,8 @@ def read_scalars(path: Path | str) -> list[tuple[int, str, float]]:
     """Every scalar of an event file, or of every event file of a folder (a run's `tb/`, where
     a resume adds a file), as `(step, tag, value)` sorted by step, then tag. A record cut short
     at a file's end (a run still writing, or killed) is left out; one that fails its checksum
-    raises `DamagedEventFile`; a path that is neither a regular file nor a folder,
-    `FileNotFoundError`."""
+    raises `DamagedEventFile`; a missing path, `FileNotFoundError`; one that is neither a
+    regular file nor a folder (a FIFO, a device), `UnreadableFile`, an OSError too."""
     path = Path(path)
     files = sorted(path.glob("*tfevents*")) if path.is_dir() else [path]  # as TensorBoard
     found = [scalar for file in files for scalar in _file_scalars(file)]
@@ -173,9 +173,7 @@ def _file_scalars(path: Path) -> Iterator[tuple[int, str, float]]:
 
 def _records(path: Path) -> Iterator[bytes]:
     """The data of each whole TFRecord of the file, its checksums checked."""
-    with open_regular(path) as file:
-        if file is None:
-            raise FileNotFoundError(f"{path}: not a regular file")
+    with open_file(path) as file:  # a FIFO would block the read, a device never end
         while len(header := file.read(12)) == 12:
             length, length_crc = struct.unpack("<QI", header)
             if masked_crc32c(header[:8]) != length_crc:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.config.parallel import ParallelSection, strategy_takes
+from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
@@ -82,7 +82,7 @@ def resolve_dims(
         return _ddp_dims(section, world)
     if strategy == "fsdp":
         return _fsdp_dims(section, world, per_node)
-    given = [k for k, v in section.model_dump().items() if not strategy_takes(strategy, k, v)]
+    given = [key for key, value in section.model_dump().items() if value not in (None, 1)]
     if given:
         raise UsageError(
             f"parallel.{given[0]}: launch.strategy {strategy} has no such dimension; the "
@@ -93,9 +93,8 @@ def resolve_dims(
 
 
 def _ddp_dims(section: ParallelSection, world: int) -> ParallelDims:
-    refused = [k for k in ("tp", "dp_shard") if not strategy_takes("ddp", k, getattr(section, k))]
-    if refused:
-        key = refused[0]
+    if section.tp > 1 or section.dp_shard not in (None, 1):
+        key = "tp" if section.tp > 1 else "dp_shard"
         raise UsageError(
             f"parallel.{key}: ddp keeps a whole replica of the model in every process; "
             "sharding and tensor parallelism need launch.strategy: fsdp",

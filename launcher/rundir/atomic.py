@@ -1,9 +1,12 @@
-"""Writing a file whole or not at all: a reader never sees half of it, and a crash leaves at
-most a hidden partial file beside it. The one way every record of a run folder is written."""
+"""Writing a file (or a folder) whole or not at all: a reader never sees half of it, and a
+crash leaves at most a hidden partial beside it. The one way every record of a run folder is
+written."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +39,25 @@ def write_new(path: Path, write: Callable[[Path], None]) -> bool:
         return True
     finally:
         partial.unlink(missing_ok=True)
+
+
+def write_new_folder(path: Path, write: Callable[[Path], None]) -> bool:
+    """Has `write` fill a partial folder, then renames it `path`: a rename takes the place of
+    a missing or empty folder only, so one that got files meanwhile is never replaced (False,
+    nothing written), and a crash leaves no half folder at `path`."""
+    partial = _partial(path)
+    partial.mkdir()
+    try:
+        write(partial)
+        try:
+            os.rename(partial, path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            return False
+        return True
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _partial(path: Path) -> Path:

@@ -46,6 +46,9 @@ from launcher.rundir.reading import UnreadableJson, read_json
 
 _STEP = re.compile(r"^step-(\d{8,})$")
 _DELETING = re.compile(r"^\.step-\d{8,}\.deleting$")  # CheckpointFiles.unpublished
+# How often `best` looks for the newest checkpoint again when a live run prunes the one it
+# found before its record is read: each look finds a newer one, so a few are plenty.
+_LOOKS = 5
 
 
 @dataclass(frozen=True)
@@ -270,17 +273,35 @@ class RunLayout:
 
     def best(self) -> Best | None:
         """The best complete checkpoint by `checkpoint.monitor`, as the newest checkpoint's
-        record of scores says (the record survives resumes; pruned ones are passed over)."""
-        newest = self.latest_complete()
+        record of scores says (the record survives resumes; pruned ones are passed over).
+        UnreadableJson where the newest one's meta.json is missing or malformed."""
+        newest = self._newest_meta()
         if newest is None:
             return None
-        meta = CheckpointFiles(newest).meta
-        monitor, kept = _best_record(read_json(meta, "checkpoint meta"), meta)
+        meta, record = newest
+        monitor, kept = _best_record(record, meta)
         for step, score in kept:
             path = self.checkpoint(step)
             if CheckpointFiles(path).is_complete:
                 return Best(path, step, score, monitor)
         return None
+
+    def _newest_meta(self) -> tuple[Path, Any] | None:
+        """The newest complete checkpoint's meta.json and what it holds; None without one."""
+        for look in range(1, _LOOKS + 1):
+            newest = self.latest_complete()
+            if newest is None:
+                return None
+            meta = CheckpointFiles(newest).meta
+            try:
+                return meta, read_json(meta, "checkpoint meta")
+            except FileNotFoundError:
+                # A live run that keeps few checkpoints prunes its newest one once a newer
+                # one is published, maybe while this reads it: the newer one's is read then.
+                # One still published without its meta.json is damaged.
+                if look == _LOOKS or CheckpointFiles(newest).is_complete:
+                    raise UnreadableJson(meta, "missing") from None
+        raise AssertionError("unreachable: the last look returns or raises")
 
     def holds_a_run(self) -> bool:
         """Whether the folder holds more than what a launcher writes before the first step. A

@@ -3,11 +3,12 @@ only regular files are read (a FIFO would block the reader forever, `/dev/zero` 
 its memory), and never more than a bound, so a rank that wrote a gigabyte of log costs the
 launcher a few megabytes when it reports the failure.
 
-The byte readers return None (or nothing) where the file is missing, unreadable or not a
-regular file: these readers report on runs, and one odd file must never break a report.
-`read_json` is the one way a JSON file from a run folder, a checkpoint or a weights source is
-read: bounded in size by its kind (`JSON_LIMITS`), a regular file, and nested no deeper than
-the parser can take; anything else is one `UnreadableJson` line naming the file."""
+`open_file` opens such a file or says why not: FileNotFoundError where nothing is there,
+`UnreadableFile` where what is there cannot be read as a file. The byte readers return None
+(or nothing) in both cases: these readers report on runs, and one odd file must never break
+a report. `read_json` is the one way a JSON file from a run folder, a checkpoint or a weights
+source is read: bounded in size by its kind (`JSON_LIMITS`), a regular file, and nested no
+deeper than the parser can take; anything else is one `UnreadableJson` line naming the file."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ JSON_LIMITS = {
 }
 
 
+class UnreadableFile(OSError):
+    """Something is at the path, but not a file to read: not a regular file (a FIFO would
+    block the reader, a device never end, a folder), or refused by the system (no permission,
+    a link loop). `reason` ("not a regular file") alone is for a message naming the file."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
 class UnreadableJson(UsageError):
     """A JSON file that cannot be taken: not a regular file, too large, not JSON, too deep.
     `reason` alone (without the path) is for a message that names the file itself."""
@@ -48,20 +60,36 @@ class UnreadableJson(UsageError):
         self.reason = reason
 
 
-@contextlib.contextmanager
-def open_regular(path: Path) -> Iterator[BinaryIO | None]:
-    """The file, open for reading, or None where it is not a regular file. Opened without
-    blocking: opening a FIFO for reading would otherwise wait for a writer."""
+def open_file(path: Path) -> BinaryIO:
+    """The regular file at `path`, open for reading (as `open(path, "rb")`, and closed the same
+    way); FileNotFoundError where nothing is there, UnreadableFile where something else is.
+    Opened without blocking: opening a FIFO for reading would otherwise wait for a writer."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        yield None
-        return
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, too: fdopen would refuse it
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # no permission, a link loop, a file where a folder should be
+        raise UnreadableFile(path, f"unreadable ({exc.strerror or exc})") from None
+    try:
+        # os.open opens a folder too, and a FIFO or a device: only fstat tells them apart.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnreadableFile(path, "not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[BinaryIO | None]:
+    """As open_file, for the readers that report on runs: None where the file is missing or
+    cannot be read."""
+    try:
+        file = open_file(path)
+    except OSError:  # FileNotFoundError and UnreadableFile among them
         yield None
         return
-    with os.fdopen(fd, "rb") as file:
+    with file:
         yield file
 
 
@@ -102,26 +130,17 @@ def read_json(path: Path, kind: str) -> Any:
     raises FileNotFoundError, as open() does; any other problem UnreadableJson."""
     limit = JSON_LIMITS[kind]
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # a link loop, a folder, no permission
-        raise UnreadableJson(path, f"cannot be read ({exc.strerror or exc})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # /dev/zero, a FIFO, a folder: never read
-            raise UnreadableJson(path, "not a regular file")
-        if info.st_size > limit:
-            raise UnreadableJson(path, _too_large(info.st_size, limit, kind))
-        file = os.fdopen(fd, "rb")  # only now: it refuses a folder with its own error
-    except BaseException:
-        os.close(fd)
-        raise
+        file = open_file(path)  # /dev/zero, a FIFO, a folder: never read
+    except UnreadableFile as exc:
+        raise UnreadableJson(path, exc.reason) from None
     with file:
+        size = os.fstat(file.fileno()).st_size
+        if size > limit:
+            raise UnreadableJson(path, _too_large(size, limit, kind))
         try:
             data = file.read(limit + 1)  # a file that grows while read is bounded too
         except OSError as exc:
-            raise UnreadableJson(path, f"cannot be read ({exc.strerror or exc})") from None
+            raise UnreadableJson(path, f"unreadable ({exc.strerror or exc})") from None
     if len(data) > limit:
         raise UnreadableJson(path, _too_large(len(data), limit, kind))
     return parse_json(data, path)

@@ -49,7 +49,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-import torch.utils.data  # noqa: F401  (the fork server preloads this module: torch with it)
+import torch.utils.data  # the fork server preloads this module: torch with it
 
 from launcher.config.spec import DataSection
 from launcher.errors import UsageError
@@ -128,10 +128,10 @@ def checked_start(data: DataSection, sent: dict[str, Any]) -> str | None:
 
 
 def check_sendable(value: Any, what: str, method: str) -> None:
-    """Pickles `value` as a worker's start will (into nothing): a UsageError naming the keys
-    and the ways out where it cannot be."""
+    """Pickles `value` as a worker's start will (into nothing, its tensors left out): a
+    UsageError naming the keys and the ways out where it cannot be."""
     try:
-        _ByValuePickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(value)
+        _CheckPickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception as exc:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise UsageError(
@@ -245,6 +245,22 @@ class _ByValuePickler(ForkingPickler):
         }
 
 
+class _CheckPickler(_ByValuePickler):
+    """`_ByValuePickler` with every tensor and storage pickled as its class alone: pickling
+    a storage by value copies it into memory (torch.save into bytes), which for a dataset
+    held in memory would double a rank's memory only to learn that a tensor pickles, as
+    every tensor does. Its class is still pickled: one defined in a function cannot be."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            return (_stand_in, (type(obj),))
+        return NotImplemented
+
+
+def _stand_in(cls: type) -> None:
+    """What `_CheckPickler` pickles in a tensor's place: never called, the pickle unread."""
+
+
 def _pickled_by_value(value: Any) -> bytes:
     buffer = io.BytesIO()
     _ByValuePickler(buffer, pickle.HIGHEST_PROTOCOL).dump(value)
@@ -252,8 +268,16 @@ def _pickled_by_value(value: Any) -> bytes:
 
 
 class _Discard(io.RawIOBase):
+    """A sink that keeps nothing, only the count of bytes written to it (for tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = 0
+
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        return memoryview(data).nbytes
+        size = memoryview(data).nbytes
+        self.written += size
+        return size

@@ -99,11 +99,12 @@ def build_scheduler(
 
 def rates_used(optim: OptimSection, scheduler: LambdaLR, names: list[str]) -> dict[str, float]:
     """The learning rates of the update `scheduler` last stepped past, as they are logged:
-    `lr`, `optim.lr` as the schedule scaled it, and where the groups' own rates differ, each
-    group's as `lr/<name>` (`names`: the groups', in the optimizer's order)."""
+    `lr`, `optim.lr` as the schedule scaled it, and where any group's own rate is not
+    `optim.lr`, each group's as `lr/<name>` (`names`: the groups', in the optimizer's order):
+    `lr` alone would then be a rate some parameters did not take."""
     update = scheduler.last_epoch - 1  # the scheduler steps after each update: 1-based here
     rates = {"lr": optim.lr * scheduler.lr_lambdas[0](update)}
-    if len(set(scheduler.base_lrs)) > 1:
+    if set(scheduler.base_lrs) != {optim.lr}:
         # The expression LambdaLR gave the update: each group's rate, bit for bit.
         each = zip(names, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
         rates.update({f"lr/{name}": base * factor(update) for name, base, factor in each})

@@ -102,22 +102,14 @@ class Recipe:
         hook = getattr(self.module, "param_groups", None)
         if not callable(hook):
             return None
-        try:
-            signature = inspect.signature(hook)
-        except (TypeError, ValueError):  # not inspectable (written in C): called as always
-            return lambda model, optim: hook(model)
-        wanted = signature.parameters.get("optim")
-        by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        takes_optim = wanted is not None and wanted.kind in by_name
-        try:
-            signature.bind(None, **({"optim": None} if takes_optim else {}))
-        except TypeError:
-            raise UsageError(
-                f"{self.source}: param_groups{signature} must take the model, and may take the "
-                "run's optimizer settings by name: param_groups(model) or "
-                "param_groups(model, optim)",
-                hint="docs/recipes.md#parameter-groups-and-the-optimizer",
-            ) from None
+        takes_optim = self._takes_checked(
+            hook,
+            "param_groups",
+            "optim",
+            "must take the model, and may take the run's optimizer settings by name: "
+            "param_groups(model) or param_groups(model, optim)",
+            "docs/recipes.md#parameter-groups-and-the-optimizer",
+        )
         if takes_optim:
             return lambda model, optim: hook(model, optim=optim)
         return lambda model, optim: hook(model)
@@ -142,19 +134,33 @@ class Recipe:
             )
         if not callable(hook):
             return None
+        self._takes_checked(
+            hook,
+            "collate",
+            "split",
+            "must take the list of samples, and may take the split by name: "
+            "collate(samples) or collate(samples, split)",
+            "docs/recipes.md#collate-padding-a-batch",
+        )
+        return hook
+
+    def _takes_checked(
+        self, hook: Callable[..., Any], what: str, name: str, usage: str, hint: str
+    ) -> bool:
+        """Whether the recipe's hook `what` takes `name` by name (`_takes_by_name`), once it
+        is known to be callable with its one positional argument and, where it takes it,
+        `name`: a UsageError saying `usage` where not. One not inspectable (written in C) is
+        called with its positional argument alone, as always."""
         try:
             signature = inspect.signature(hook)
-        except (TypeError, ValueError):  # not inspectable (written in C): called as always
-            return hook
+        except (TypeError, ValueError):
+            return False
+        takes = _takes_by_name(hook, name)
         try:
-            signature.bind([], **({"split": "train"} if collate_takes_split(hook) else {}))
+            signature.bind(None, **({name: None} if takes else {}))
         except TypeError:
-            raise UsageError(
-                f"{self.source}: collate{signature} must take the list of samples, and may "
-                "take the split by name: collate(samples) or collate(samples, split)",
-                hint="docs/recipes.md#collate-padding-a-batch",
-            ) from None
-        return hook
+            raise UsageError(f"{self.source}: {what}{signature} {usage}", hint=hint) from None
+        return takes
 
     def state_dict(self) -> Any:
         """The recipe's own state to checkpoint (its optional `state_dict()` hook)."""
@@ -184,16 +190,21 @@ class Recipe:
 
 
 def collate_takes_split(hook: Callable[..., Any]) -> bool:
-    """Whether a recipe's collate takes the split: it has a parameter named `split`, which is
-    given by name ("train" or "val"). By name, so that an optional parameter of another
-    meaning (`collate(samples, pad_to=8)`) is never given the split."""
+    """Whether a recipe's collate takes the split ("train" or "val"), given by name."""
+    return _takes_by_name(hook, "split")
+
+
+def _takes_by_name(hook: Callable[..., Any], name: str) -> bool:
+    """Whether `hook` has a parameter `name` that can be given by name. By name, so that an
+    optional parameter of another meaning (`collate(samples, pad_to=8)`,
+    `param_groups(model, decay=0.8)`) is never given the split or the optimizer settings."""
     try:
         parameters = inspect.signature(hook).parameters
     except (TypeError, ValueError):
         return False
-    split = parameters.get("split")
+    wanted = parameters.get(name)
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return split is not None and split.kind in by_name
+    return wanted is not None and wanted.kind in by_name
 
 
 def load_recipe(source: str, origin: str = "") -> Recipe:

@@ -14,7 +14,9 @@ import pytest
 
 from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.errors import UsageError
+from launcher.rundir import layout
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import UnreadableJson
 from tests.conftest import FAULTY_RECIPE, REPO, run_train, write_spec
 
 
@@ -89,6 +91,31 @@ def test_best_is_the_best_checkpoint_of_the_newest_run(tmp_path: Path) -> None:
     _checkpoint(run_dir, 6, best=[])
     with pytest.raises(UsageError, match="has no best checkpoint"):
         resume_point(ResumeRequest("best", runs, "exp"))
+
+
+def test_best_looks_again_when_a_live_run_prunes_the_newest_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train export RUN --best` on a live run: the newest checkpoint may be pruned (a newer
+    one published) between finding it and reading its record; that was a traceback."""
+    run_dir = tmp_path / "run"
+    best = _checkpoint(run_dir, 2)
+    pruned = _checkpoint(run_dir, 4, best=[2])
+    read_json = layout.read_json
+
+    def read_as_the_run_prunes(path: Path, kind: str) -> object:
+        if path.parent == pruned and pruned.exists():
+            _checkpoint(run_dir, 6, best=[2])
+            pruned.rename(pruned.with_name(f".{pruned.name}.deleting"))  # as pruning does
+        return read_json(path, kind)
+
+    monkeypatch.setattr(layout, "read_json", read_as_the_run_prunes)
+    found = RunLayout(run_dir).best()
+    assert found is not None and (found.path, found.step) == (best, 2)
+    # Still published without its meta.json, the newest checkpoint is damaged, not pruned.
+    (RunLayout(run_dir).checkpoint(6) / "meta.json").unlink()
+    with pytest.raises(UnreadableJson, match=r"step-00000006/meta.json: missing"):
+        RunLayout(run_dir).best()
 
 
 def test_a_path_names_a_checkpoint_or_a_run_folder(tmp_path: Path) -> None:

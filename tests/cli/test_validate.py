@@ -256,6 +256,11 @@ def test_validate_builds_the_model_as_fsdp_will(tmp_path: Path) -> None:
     assert code == 2 and "Traceback" not in output, output
     assert "fsdp.init: meta: the model cannot be built on the meta device" in output
     assert "Set fsdp.init: cpu (or auto)" in output
+    # One process shards nothing, so fsdp builds it as ddp does, whatever fsdp.init says.
+    alone = {**launch, "devices": 1}
+    code, output = _validate(tmp_path, "fsdp.init=meta", recipe=recipe, launch=alone)
+    assert code == 0 and "(built on the CPU: the model cannot be built" in output, output
+    assert "fsdp.init: auto builds it" not in output
 
 
 def _weights(tmp_path: Path, name: str) -> str:
@@ -413,3 +418,13 @@ def test_validate_checks_what_loader_workers_are_sent(tmp_path: Path) -> None:
     for fine in ("data.worker_start=fork", "data.num_workers=0"):
         code, output = _validate(tmp_path, "data.num_workers=2", fine, recipe=recipe)
         assert code == 0, output
+    # The val split's loader workers are sent the val dataset: checked too.
+    val_only = OPENED.replace(
+        "    return Opened()",
+        "    if split == 'train':\n"
+        "        return torch.utils.data.TensorDataset(torch.zeros(64, 4), torch.zeros(64, 1))\n"
+        "    return Opened()",
+    )
+    recipe = _recipe(tmp_path, MODEL + LOSS + val_only)
+    code, output = _validate(tmp_path, "data.num_workers=2", "eval.every_n_steps=5", recipe=recipe)
+    assert code == 2 and "the val dataset (Opened) cannot be pickled" in output, output

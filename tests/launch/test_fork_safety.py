@@ -14,6 +14,7 @@ import torch
 from launcher.config.loader import load_cli_spec, load_spec_and_sources
 from launcher.config.spec import DataSection
 from launcher.errors import UsageError
+from launcher.worker import loader_workers
 from launcher.worker.loader_workers import (
     check_sendable,
     fork_may_hang,
@@ -37,10 +38,10 @@ def test_the_key_defaults_to_auto_and_names_its_choices(tmp_path: Path) -> None:
     ) in caught.value.render()
 
 
-@pytest.mark.parametrize("version", [(3, 10, 13), (3, 11, 7), (3, 11, 10), (3, 12, 1), (3, 14, 0)])
-def test_auto_starts_workers_by_forkserver_on_every_python(version: tuple[int, int, int]) -> None:
+def test_auto_starts_workers_by_forkserver_on_every_python() -> None:
     """Not only where gh-112275 is: a forked child of a process with threads may find any
-    lock held (POSIX, CPython 3.12's warning, 3.14's default)."""
+    lock held (POSIX, CPython 3.12's warning, 3.14's default). So the choice depends on the
+    platform's start methods alone, and `start_method` takes no Python version."""
     assert start_method("auto", LINUX) == "forkserver"
     assert start_method("auto", ["spawn"]) == "spawn"  # a platform without a fork server
     assert start_method("fork", LINUX) == "fork"  # asked for by name
@@ -109,3 +110,35 @@ def test_what_cannot_be_pickled_is_refused_in_one_line_naming_the_keys() -> None
     assert "or set data.worker_start: fork or data.num_workers: 0" in message
     # Forked workers are not sent anything: nothing to check.
     worker_options(DataSection(num_workers=2, worker_start="fork"), {"x": _Holder()})
+
+
+class _InMemory:
+    """A dataset held in memory: 200 MB of tensor (never touched: torch.empty), and a lambda
+    where `broken`."""
+
+    def __init__(self, broken: bool) -> None:
+        self.samples = torch.empty(50_000_000)
+        self.labels = torch.arange(10)
+        self.transform = (lambda x: x) if broken else None
+
+
+def test_the_check_leaves_tensors_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pickling a tensor by value copies its storage (torch.save into bytes): the check would
+    double a rank's memory for every loader it builds. Its tensors are left out of the check,
+    not what else the dataset holds."""
+    sinks: list[loader_workers._Discard] = []
+
+    class Counted(loader_workers._Discard):
+        def __init__(self) -> None:
+            super().__init__()
+            sinks.append(self)
+
+    def no_copy(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the check copied a tensor's storage")
+
+    monkeypatch.setattr(loader_workers, "_Discard", Counted)
+    monkeypatch.setattr(torch, "save", no_copy)
+    check_sendable(_InMemory(broken=False), "the train dataset", "forkserver")
+    assert len(sinks) == 1 and 0 < sinks[0].written < 10_000
+    with pytest.raises(UsageError, match=r"\(_InMemory\) cannot be pickled .*local object"):
+        check_sendable(_InMemory(broken=True), "the train dataset", "forkserver")

@@ -379,6 +379,8 @@ def test_job_names_are_kubernetes_names() -> None:
         ({**PYTORCHJOB_V1, "MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
         ({**PYTORCHJOB_V1, "MASTER_ADDR": "gpt master"}, "MASTER_ADDR='gpt master'"),
         ({**PET, "PET_NNODES": "1:2:3"}, "PET_NNODES='1:2:3'"),
+        ({**PET, "PET_NNODES": "3:2"}, "PET_NNODES='3:2': expected a node count"),  # not --nnodes
+        ({**PET, "PET_NNODES": " 4"}, "PET_NNODES=' 4'"),  # int() takes it; nobody means it
         ({**PET, "PET_NODE_RANK": "9" * 5000}, "PET_NODE_RANK='9999"),  # past int()'s digits
         ({**PET, "PET_NPROC_PER_NODE": "lots"}, "PET_NPROC_PER_NODE='lots'"),
         ({**PET, "PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE='0'"),
@@ -390,6 +392,15 @@ def test_a_malformed_variable_is_refused_by_its_name(env: dict[str, str], named:
     with pytest.raises(UsageError) as refused:
         resolve_nodes(env=env, fqdn=lambda: JOBSET_FQDN)
     assert refused.value.message.startswith(named), refused.value.message
+
+
+def test_a_rank_past_a_flags_count_names_the_rank_variable() -> None:
+    """JOB_COMPLETION_INDEX=5 with --nnodes 4 was "--node-rank 5", a flag nobody gave."""
+    with pytest.raises(UsageError) as refused:
+        resolve_nodes("4", env=jobset_pod(JOB_COMPLETION_INDEX="5"), fqdn=lambda: JOBSET_FQDN)
+    assert refused.value.message == (
+        "JOB_COMPLETION_INDEX='5': expected this node's rank: 0 or more and below --nnodes 4"
+    )
 
 
 @pytest.mark.parametrize(

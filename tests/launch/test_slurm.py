@@ -298,6 +298,9 @@ def test_a_value_that_would_break_out_of_its_sbatch_line_is_refused(
         ("SLURM_JOB_ID", "4242117_3"),
         ("SLURM_STEP_NUM_NODES", "²"),
         ("MASTER_PORT", "9" * 5000),
+        ("MASTER_PORT", "70000"),  # was "--rdzv-endpoint gpu-a100-017:70000", a flag never typed
+        ("SLURM_NODEID", "5"),  # past the 4 nodes: was "--node-rank 5"
+        ("SLURM_STEP_NODELIST", ","),  # no host at all: was an IndexError
         ("SLURM_STEP_NODELIST", "gpu[01-0x]"),
         ("SLURM_STEP_NODELIST", "gpu[1-99999999]"),  # a typo, not 10**8 host names in memory
     ],
@@ -306,3 +309,16 @@ def test_a_malformed_slurm_variable_is_refused_by_its_name(key: str, value: str)
     with pytest.raises(UsageError) as refused:
         resolve_nodes(env={**SRUN_ENV, key: value})
     assert refused.value.message.startswith(f"{key}="), refused.value.message
+
+
+def test_a_slurm_rank_past_the_count_names_both_variables() -> None:
+    with pytest.raises(UsageError) as refused:
+        resolve_nodes(env={**SRUN_ENV, "SLURM_NODEID": "5"})
+    assert refused.value.message == (
+        "SLURM_NODEID='5': expected this node's rank: 0 or more and below SLURM_STEP_NUM_NODES=4"
+    )
+    # A --nnodes flag wins over SLURM's count; the rank is still SLURM's, and named so.
+    with pytest.raises(UsageError) as refused:
+        resolve_nodes(nnodes="2", env=SRUN_ENV)
+    assert refused.value.message.startswith("SLURM_NODEID='2': expected this node's rank: 0 or")
+    assert refused.value.message.endswith("below --nnodes 2")

@@ -111,7 +111,7 @@ def test_a_resumed_run_s_progress_counts_each_step_once(tmp_path: Path) -> None:
     layout = RunLayout(_resumed_run(tmp_path / "run"))
     # The sink starts from the file (which holds the replayed steps 11 and 12 twice).
     _progress_of(layout, [{"step": 15, "loss": 115.0}])
-    progress = Progress.from_json(layout.progress.read_text())
+    progress = Progress.from_record(json.loads(layout.progress.read_text()))
     assert progress.step == 15 and progress.last("loss") == 115.0
     assert progress.best("loss") == (1.0, 1) and progress.best("loss", "max") == (115.0, 15)
     row = describe_run(layout.root)

@@ -6,6 +6,7 @@ sinks' background writer never holds up a step, nor fails a run when a sink fail
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 import time
@@ -26,6 +27,7 @@ from launcher.metrics.tensorboard_events import (
     read_scalars,
 )
 from launcher.rundir.layout import RunLayout
+from launcher.rundir.reading import UnreadableFile
 from tests.conftest import only_run_dir, run_train, write_spec
 
 pytestmark = pytest.mark.launcher_only
@@ -119,6 +121,9 @@ def test_a_folders_files_are_read_together_and_a_cut_record_left_out(tmp_path: P
         read_scalars(second)
     with pytest.raises(FileNotFoundError):
         read_scalars(tmp_path / "missing")
+    os.mkfifo(tmp_path / "fifo")  # opened for reading, it would wait for a writer
+    with pytest.raises(UnreadableFile, match="fifo: not a regular file"):
+        read_scalars(tmp_path / "fifo")
     assert first.exists()
 
 

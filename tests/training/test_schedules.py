@@ -97,3 +97,9 @@ def test_the_logged_rates_are_those_the_update_used(schedule: str) -> None:
     alike.step()
     one.step()
     assert rates_used(optim, one, ["group1"]) == {"lr": 0.05}  # one rate: no groups' keys
+    # One group whose own rate is not optim.lr: `lr` alone would be a rate nothing took.
+    own = build_optimizer(optim, [{"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.01}])
+    scheduled = build_scheduler(optim, own, total_steps=6)
+    own.step()
+    scheduled.step()
+    assert rates_used(optim, scheduled, ["all"]) == {"lr": 0.05, "lr/all": 0.01 * 0.5}

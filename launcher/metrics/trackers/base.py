@@ -104,8 +104,7 @@ class TrackerSink:
         self.records.save()
 
     def end(self, outcome: RunEnd) -> None:
-        self.flush()
-        self.finish(outcome)
+        self.finish(outcome)  # the sink's thread flushed what it was sent just before
 
     def close(self) -> None:
         self.disconnect()

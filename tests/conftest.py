@@ -15,63 +15,10 @@ import pytest
 import yaml
 
 from launcher.config.spec import RunSpec
+from tests.tiny_recipes import FAULTY_RECIPE  # noqa: F401  (the tests take it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A recipe that misbehaves on demand: $FAULT at micro-step $FAULT_AT (default 4) of rank
-# $FAULT_RANK (default 1): raise, sleep (hang), segv, flood (FLOOD_MB MiB of log, then raise),
-# flood-then-hang; or slow (every step sleeps 0.1 s), or
-# shrink (every rank, from that step on, drops one sample: a new shape). FAULT_OTHERS=sleep:
-# the other ranks sleep in that micro-step, outside any collective.
-FAULTY_RECIPE = """
-import ctypes, os, sys, time
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-calls = 0
-FAULT = os.environ.get("FAULT", "")
-AT = int(os.environ.get("FAULT_AT", "4"))
-HERE = os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1")
-
-
-def build_model():
-    return nn.Linear(4, 1)
-
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(512, 4, generator=g), torch.randn(512, 1, generator=g))
-
-
-def loss(model, batch):
-    global calls
-    calls += 1
-    x, y = batch
-    if FAULT == "slow":
-        time.sleep(0.1)
-    if FAULT == "shrink" and calls >= AT:
-        x, y = x[:-1], y[:-1]
-    if calls == AT and not HERE and os.environ.get("FAULT_OTHERS") == "sleep":
-        time.sleep(3600)
-    if calls == AT and HERE:
-        if FAULT == "raise":
-            with open("crashed_at", "w") as f:
-                f.write(repr(time.time()))
-            raise RuntimeError(f"boom on rank {os.environ['RANK']}")
-        if FAULT == "sleep":
-            open("sleeping", "w").close()  # tests wait for this, not for a step
-            time.sleep(3600)
-        if FAULT == "segv":
-            ctypes.string_at(0)
-        if FAULT.startswith("flood"):  # FLOOD_MB MiB of log, then raise or hang
-            for _ in range(int(os.environ.get("FLOOD_MB", "500")) * 1024):
-                sys.stderr.write("x" * 1023 + "\\n")
-            if FAULT == "flood-then-hang":
-                time.sleep(3600)
-            raise RuntimeError(f"boom on rank {os.environ['RANK']} after a flood")
-    return nn.functional.mse_loss(model(x), y)
-"""
 TRAIN = Path(sys.executable).parent / "train"
 
 
@@ -182,8 +129,11 @@ def usage_error(result: subprocess.CompletedProcess[str], *expected: str) -> Non
         assert text in output, output
 
 
-def write_spec(path: Path, **sections: dict) -> Path:
-    """A spec for the mlp recipe with small, fast defaults; `sections` override per key."""
+def write_spec(path: Path, *defaults: dict[str, dict], **sections: dict) -> Path:
+    """A spec for the mlp recipe with small, fast defaults. `defaults` (a test module's own
+    sections, e.g. `{"train": {"max_steps": 30}}`), then `sections`, override them key by key
+    within each section; a `recipe` section of `tests.tiny_recipes.tiny_recipe()` replaces
+    the mlp's."""
     spec = {
         "run": {"name": "t", "output_dir": str(path.parent / "runs")},
         "launch": {"accelerator": "cpu", "devices": 2, "strategy": "ddp"},
@@ -192,8 +142,9 @@ def write_spec(path: Path, **sections: dict) -> Path:
         "optim": {"name": "SGD", "lr": 0.05},
         "train": {"max_steps": 10, "log_every": 1},
     }
-    for name, values in sections.items():
-        spec.setdefault(name, {}).update(values)
+    for layer in (*defaults, sections):
+        for name, values in layer.items():
+            spec.setdefault(name, {}).update(values)
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -211,6 +162,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def end_without_teardown() -> None:
+    """Ends a spawned gloo test worker that succeeded, as launcher/worker/main.py ends a
+    worker: torch keeps the destroyed group (DTensor's sharding caches hold its mesh, DDP and
+    functional collectives their own references), so gloo's threads still run at interpreter
+    exit, where its C++ destructors can abort the process (SIGABRT, "terminate called without
+    an active exception"). A failure still raises: torch's spawn records it first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def only_run_dir(runs: Path) -> Path:

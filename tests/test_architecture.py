@@ -21,8 +21,10 @@ pytestmark = pytest.mark.launcher_only
 PACKAGE = REPO / "launcher"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # What both processes share, each room importing only those before it: the error types, the
-# spec, the run folder, the metrics files, the strategies, the checkpoints.
-SHARED = ("top", "config", "rundir", "metrics", "parallel", "checkpoint")
+# spec, the run folder, the metrics files, the strategies, the checkpoints. And where a job runs
+# (clusters): placed after the run folder for that import rule, though only `launch` and `cli`
+# may import it (test_clusters_are_a_room_only_the_train_process_enters).
+SHARED = ("top", "config", "rundir", "clusters", "metrics", "parallel", "checkpoint")
 # Each process's own rooms: the `train` process (launch), every worker (worker), and the
 # readers of run folders (runs, torch-free). They never import one another.
 PROCESSES = ("launch", "worker", "runs")
@@ -155,3 +157,173 @@ def test_modules_and_functions_stay_small(path: Path) -> None:
 
 def test_the_spec_names_exactly_the_registered_strategies() -> None:
     assert set(get_args(StrategyName)) == set(STRATEGIES)
+
+
+def test_clusters_are_a_room_only_the_train_process_enters() -> None:
+    """Where a job runs (SLURM, Kubernetes, SkyPilot, TPU pods) is a room of its own: it reads
+    only the error types, the spec and the run folder, never torch (`train slurm` and `train
+    k8s` answer without it), and only `launch` and `cli` read it: the workers never do."""
+    room = PACKAGE / "clusters"
+    modules = {"slurm.py", "kubernetes.py", "k8s_manifest.py", "tpu_pod.py", "nodes.py"}
+    assert {p.name for p in room.glob("*.py")} >= modules
+    assert not {p.name for p in (PACKAGE / "launch").rglob("*.py")} & modules
+    for path in room.glob("*.py"):
+        assert _rooms_imported(path) <= {"top", "config", "rundir"}, path
+        nodes = list(ast.walk(ast.parse(path.read_text())))
+        names = {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in nodes if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {n for n in names if n.split(".")[0] == "torch"}, f"{path} imports torch"
+    importers = {_room(p) for p in MODULES if "clusters" in _rooms_imported(p)}
+    assert importers <= {"launch", "cli"}, f"only launch and cli may import clusters: {importers}"
+
+
+def test_test_modules_train_the_shared_tiny_recipe() -> None:
+    """A test module trains `tests/tiny_recipes.py` (as a file, or as the base of its hooks)
+    rather than writing build_model, build_dataset or loss again, in code or in a string; the
+    modules below define exactly those whose difference is what they test."""
+    both, every = "build_model loss", "build_model build_dataset loss"
+    allowed = {  # module: (the functions it defines, why its own)
+        "tiny_recipes.py": (every, "the shared recipe, and FAULTY_RECIPE's faulting loss"),
+        "checkpoint/test_export.py": ("build_model", "a GPT with its lm_head tied"),
+        "checkpoint/test_resume.py": ("loss", "mlp's loss counting calls in recipe state"),
+        "checkpoint/test_storage_faults.py": (both, "a model a full disk cannot hold"),
+        "cli/test_bad_inputs.py": (every, "recipes broken on purpose"),
+        "cli/test_cli.py": (every, "a recipe whose build raises"),
+        "cli/test_validate.py": (every, "recipes `train validate` refuses, piece by piece"),
+        "launch/test_failures.py": ("build_dataset", "a sample that cannot be read"),
+        "launch/test_leftovers.py": (both, "a build that starts processes"),
+        "launch/test_loader_hangs.py": ("build_dataset loss", "a val split that hangs"),
+        "launch/test_log_stream.py": ("build_model", "a build that prints control bytes"),
+        "launch/test_worker_plan.py": ("build_model", "a build that changes directory"),
+        "launch/test_worker_signals.py": ("build_dataset", "samples that are worker pids"),
+        "parallel/test_buffers.py": ("build_model build_dataset", "BatchNorm, off-centre data"),
+        "parallel/test_dims.py": (both, "GPT and Llama split by tensor parallelism"),
+        "parallel/test_fsdp.py": (every, "a model whose init the meta device loses"),
+        "parallel/test_fsdp_init.py": (every, "a CNN on images, inits fsdp must repeat"),
+        "training/test_collate.py": ("build_dataset loss", "the varlen recipe's batches"),
+        "training/test_flops.py": (both, "a build and a loss that count their calls"),
+        "training/test_loader_workers.py": ("build_dataset loss", "varlen in loader workers"),
+        "training/test_nonfinite.py": (both, "a loss that turns NaN"),
+        "training/test_param_groups.py": ("build_model", "frozen, decayed and norm parameters"),
+        "training/test_rank_randomness.py": ("loss", "a loss that records random draws"),
+        "training/test_stream_resume.py": ("build_dataset", "a stream with a shuffle buffer"),
+        "training/test_streaming.py": ("build_dataset loss", "streams; a loss that records ids"),
+        "training/test_train_e2e.py": (every, "a recipe outside the repo, importing a sibling"),
+    }
+    defining = re.compile(r"\bdef (build_model|build_dataset|loss)\s*\(")
+    found = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        names = set(defining.findall(path.read_text()))
+        if names:
+            found[str(path.relative_to(REPO / "tests"))] = names
+    # The scan sees a plain recipe: the shared one defines all three.
+    assert found.get("tiny_recipes.py") == set(every.split()), found
+    expected = {module: set(names.split()) for module, (names, _) in allowed.items()}
+    extra = {m: sorted(n - expected.get(m, set())) for m, n in found.items()}
+    extra = {m: n for m, n in extra.items() if n}
+    assert not extra, f"define their own recipe functions; use tests/tiny_recipes.py: {extra}"
+    stale = {m: sorted(expected[m] - found.get(m, set())) for m in expected}
+    stale = {m: n for m, n in stale.items() if n}
+    assert not stale, f"allowed but no longer defined; shrink their entries: {stale}"
+
+
+def test_the_resume_is_decided_in_one_module() -> None:
+    """The launcher decides a resume once, in `launch/resume_decision.py`: only there are the
+    rule (`resume_point`), the damage check and the spec merge called. The rule's own module
+    calls itself for a worker's restarted attempt (`attempt_start`, the worker's one way in)
+    and checks the record it reads for `--resume best` (`_best_of`)."""
+    asked = {"resume_point", "spec_on_resume", "refuse_damaged"}
+    decision = "launch/resume_decision.py"
+    rule_itself = {
+        ("checkpoint/selection.py", "attempt_start", "resume_point"),  # a restarted attempt
+        ("checkpoint/selection.py", "_best_of", "refuse_damaged"),  # best's record, whole
+    }
+    found: set[tuple[str, str, str]] = set()
+    for path in MODULES:
+        module = str(path.relative_to(PACKAGE))
+        todo: list[tuple[ast.AST, str]] = [(ast.parse(path.read_text()), "")]
+        while todo:
+            node, function = todo.pop()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                function = node.name
+            called = getattr(node, "func", None)
+            name = getattr(called, "id", None) or getattr(called, "attr", None)
+            if isinstance(node, ast.Call) and name in asked:
+                found.add((module, function, name))
+            todo += [(child, function) for child in ast.iter_child_nodes(node)]
+    elsewhere = {call for call in found if call[0] != decision}
+    assert elsewhere <= rule_itself, f"the resume decided outside {decision}: {elsewhere}"
+    assert {name for module, _, name in found if module == decision} == asked
+    worker = (PACKAGE / "worker" / "loop.py").read_text()
+    assert "attempt_start(" in worker and "resume_point" not in worker
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(source: str, known: set[str]) -> set[str]:
+    """The package's modules that `source` imports, wherever the import sits: at the top, in a
+    function or under TYPE_CHECKING (a circle there is still two modules that need each
+    other)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach one another through imports (Tarjan's strongly
+    connected components, iteratively), each of more than one module."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+    for root in graph:
+        if root in order:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        order[root] = low[root] = len(order)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            step = next((e for e in edges if e not in order or e in stack), None)
+            if step is not None and step not in order:
+                order[step] = low[step] = len(order)
+                stack.append(step)
+                work.append((step, iter(sorted(graph[step]))))
+                continue
+            if step is not None:
+                low[node] = min(low[node], order[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == order[node]:
+                group = stack[stack.index(node) :]
+                del stack[stack.index(node) :]
+                if len(group) > 1:
+                    circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circle_anywhere_in_the_package() -> None:
+    known = {_module_name(path) for path in MODULES}
+    graph = {
+        _module_name(path): _imported_modules(path.read_text(), known) - {_module_name(path)}
+        for path in MODULES
+    }
+    assert _import_circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _import_circles(graph) == [["a", "b", "c"]]
+    assert _import_circles({"a": {"b"}, "b": set()}) == []

@@ -152,10 +152,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def recorded_spec(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def recorded_spec(
+    path: Path, meta: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The spec the checkpoint's run trained with, and the YAML file as that run read it
-    (None where the checkpoint predates that record): what a resume starts from."""
-    meta = read_meta(path)
+    (None where the checkpoint predates that record): what a resume starts from. `meta`: its
+    meta.json, where the caller has read it already."""
+    meta = read_meta(path) if meta is None else meta
     spec, yaml_file = meta.get("spec"), meta.get("config_file")
     if not isinstance(spec, dict) or not isinstance(yaml_file, dict | None):
         raise UnreadableJson(
@@ -166,24 +169,30 @@ def recorded_spec(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
 def meta_damage(path: Path) -> str | None:
     """What keeps the checkpoint's meta.json from being read; None when it reads."""
+    problem, _ = _meta_or_damage(path)
+    return problem
+
+
+def _meta_or_damage(path: Path) -> tuple[str | None, int]:
+    """What keeps meta.json from being read (or None), and the world size it records."""
     try:
         meta = read_meta(path)
     except UnreadableJson as exc:
-        return f"{Path(exc.path).name}: {exc.reason}"
+        return f"{Path(exc.path).name}: {exc.reason}", 0
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
-        return "meta.json does not record the world size the checkpoint was saved with"
-    return None
+        return "meta.json does not record the world size the checkpoint was saved with", 0
+    return None, world_size
 
 
 def _state_damage(path: Path) -> str | None:
     files = CheckpointFiles(path)
-    problem = meta_damage(path)
+    problem, world_size = _meta_or_damage(path)
     if problem is not None:
         return problem
     import torch
 
-    for rank in range(read_meta(path)["world_size"]):
+    for rank in range(world_size):
         name = files.rank_state(rank).name
         try:
             file = open_file(files.rank_state(rank))  # a FIFO would block torch.load

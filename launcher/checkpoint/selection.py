@@ -1,8 +1,9 @@
 """The one resume rule: which checkpoint an attempt of a run starts from.
 
-The plan asks it for the first attempt, every worker for its own attempt (rank 0's answer
-wins), and supervision for the step a run starts from, all through `resume_point`. It reads
-only the run folders, so it is torch-free.
+The launcher asks it once, for the first attempt (`launcher.launch.resume_decision`), and
+hands the answer to the workers in their plan; a worker asks it again only when its attempt
+restarts (`attempt_start`; rank 0's answer wins). It reads only the run folders, so it is
+torch-free.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def resume_point(asked: ResumeRequest | Path | None, run_dir: Path | None = None
     if not path.exists():
         raise UsageError(f"--resume {asked.arg}: no such folder")
     return checkpoint_in(path, "--resume")
+
+
+def attempt_start(decided: Path | None, run_dir: Path, attempt: int) -> Path | None:
+    """The checkpoint a worker's attempt starts from. The first starts from the launcher's
+    decision (the worker plan's `resume_from`) as it is. A restarted attempt asks the rule
+    again: the attempt that failed may have saved a newer checkpoint in the run folder. So does
+    a first attempt whose run folder has moved past that decision: torch's elastic agent
+    restarts a healthy group to take in a joining node without counting an attempt."""
+    if attempt == 0 and latest_complete(run_dir) in (None, decided):
+        return decided
+    return resume_point(decided, run_dir)
 
 
 def _newest_of(output_dir: Path, name: str) -> Path:

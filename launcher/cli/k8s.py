@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from launcher.cli.options import ConfigOpt, DebugOpt, Overrides, print_from_spec
-from launcher.launch.k8s_manifest import DEFAULT_BACKOFF_LIMIT, DEFAULT_GRACE_PERIOD_S
+from launcher.clusters.k8s_manifest import DEFAULT_BACKOFF_LIMIT, DEFAULT_GRACE_PERIOD_S
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -59,7 +59,7 @@ def k8s_command(
     when a pod is restarted. Apply it with: train k8s ... > job.yaml && kubectl apply -f job.yaml"""
 
     def job(spec: RunSpec) -> str:
-        from launcher.launch.k8s_manifest import manifest
+        from launcher.clusters.k8s_manifest import manifest
 
         return manifest(
             str(config),

@@ -58,29 +58,3 @@ def estimate_line(spec: RunSpec, recipe: Recipe, batch: Any, world: int) -> str:
     """`train validate`'s line: the estimate on `world` processes of one node."""
     estimate = estimate_for(spec, recipe, batch, world, world)
     return estimate if isinstance(estimate, str) else estimate.describe()
-
-
-def gpu_memory_check(
-    spec: RunSpec, origin: str, world: int, per_node: int
-) -> tuple[dict[str, int] | None, str | None]:
-    """Before a GPU launch: the estimate (bytes by part, for summary.json beside the measured
-    peak), and one line where it exceeds GPU 0's memory, naming a layout that would fit
-    (`launcher.parallel.memory_fit`). None for either where there is nothing to say, or
-    where the estimate cannot be made (the run then goes on as it would have)."""
-    import torch
-
-    from launcher.cli.recipe_check import first_train_batch, load_checked
-    from launcher.launch.reaper import children_reaped
-    from launcher.parallel.memory_fit import fit_advice
-
-    try:
-        device_bytes = torch.cuda.get_device_properties(0).total_memory
-        with children_reaped():  # what the recipe starts as it builds its dataset
-            recipe = load_checked(spec, origin)
-            estimate = estimate_for(spec, recipe, first_train_batch(recipe, spec), world, per_node)
-    except Exception:  # the run itself reports a recipe's failures, with the rank's context
-        return None, None
-    if not isinstance(estimate, MemoryEstimate):
-        return None, None
-    parts = ("params", "grads", "optimizer", "activations", "peak")
-    return {part: getattr(estimate, part) for part in parts}, fit_advice(estimate, device_bytes)

@@ -21,14 +21,14 @@ from launcher.cli.options import (
     StrictCompileOpt,
     run_guarded,
 )
-from launcher.cli.validate import check_recipe
 from launcher.errors import UsageError
 
 if TYPE_CHECKING:
+    from launcher.clusters.nodes import Nodes
     from launcher.config.loader import SpecLayers
     from launcher.config.spec import RunSpec
-    from launcher.launch.nodes import Nodes
     from launcher.launch.plan import LaunchPlan
+    from launcher.launch.resume_decision import ResumeDecision
 
 
 def run_command(
@@ -113,8 +113,8 @@ def run_command(
     """Train: launch one process per device, wrap the model, stream every replica's logs."""
 
     def launch() -> int:
+        from launcher.clusters.nodes import resolve_nodes
         from launcher.config.loader import cli_layers
-        from launcher.launch.nodes import resolve_nodes
 
         nodes = resolve_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, env=os.environ)
         # Its own mistakes are reported before torch is imported (seconds): config.loader.
@@ -122,7 +122,9 @@ def run_command(
         flags |= {"max_restarts": max_restarts, "stall_timeout": stall_timeout}
         layers = cli_layers(config, overrides, strict_compile, load_weights, **flags)
         layers = with_operator_devices(layers, nodes)
-        spec, sources = spec_given(layers, resume)
+        spec, sources, decided = spec_given(layers, resume, run_dir, nodes.job_id)
+        from launcher.cli.recipe_check import check_recipe
+
         check_recipe(spec, sources)  # a recipe that cannot load or take its arguments fails here
         from launcher.launch.execute import execute
         from launcher.launch.plan import make_plan
@@ -136,6 +138,7 @@ def run_command(
             nodes=nodes,
             sources=sources,
             layers=layers,
+            resume_decided=decided,
         )
         if plan.accelerator == "gpu":  # before it starts: a layout that will not fit
             plan = _with_memory_estimate(plan, sources.get("recipe.source", ""))
@@ -147,7 +150,7 @@ def run_command(
 def with_operator_devices(layers: SpecLayers, nodes: Nodes) -> SpecLayers:
     """The processes per node a Kubeflow job asks for (PET_NPROC_PER_NODE), as a layer over
     the YAML file: `launch.devices=` overrides and `--devices`, which come after it, win."""
-    from launcher.launch.kubernetes import NPROC_PER_NODE
+    from launcher.clusters.kubernetes import NPROC_PER_NODE
 
     if nodes.devices is None:
         return layers
@@ -155,13 +158,16 @@ def with_operator_devices(layers: SpecLayers, nodes: Nodes) -> SpecLayers:
     return dataclasses.replace(layers, given=(given, *layers.given))
 
 
-def spec_given(layers: SpecLayers, resume: str | None) -> tuple[RunSpec, dict[str, str]]:
+def spec_given(
+    layers: SpecLayers, resume: str | None, run_dir: Path | None = None, job_id: str | None = None
+) -> tuple[RunSpec, dict[str, str], ResumeDecision | None]:
     """The spec the command line describes: its YAML file's, or without `--config` the spec
-    of the run `--resume` names; either way with its overrides and flags."""
+    of the run `--resume` names; either way with its overrides and flags. Without `--config`
+    the resume is decided here, once, for the plan (`launcher.launch.resume_decision`)."""
     from launcher.config.loader import spec_from_layers
 
     if layers.config is not None:
-        return spec_from_layers(layers)
+        return (*spec_from_layers(layers), None)
     if resume is None:
         raise UsageError(
             "--config: required",
@@ -173,14 +179,10 @@ def spec_given(layers: SpecLayers, resume: str | None) -> tuple[RunSpec, dict[st
             f"--resume {resume}: needs --config, whose run.name says which runs are this one's",
             hint="Or give the run's folder, or one of its checkpoints: --resume runs/NAME/STAMP",
         )
-    from launcher.checkpoint.format import recorded_spec
-    from launcher.checkpoint.selection import ResumeRequest, resume_point
-    from launcher.config.resume import spec_on_resume
+    from launcher.launch.resume_decision import decide_resume
 
-    checkpoint = resume_point(ResumeRequest(resume, Path.cwd(), ""))
-    assert checkpoint is not None
-    resumed = spec_on_resume(*recorded_spec(checkpoint), layers)
-    return resumed.spec, resumed.sources
+    decided = decide_resume(None, resume=resume, run_dir=run_dir, job_id=job_id, layers=layers)
+    return decided.spec, decided.sources, decided
 
 
 def _with_memory_estimate(plan: LaunchPlan, origin: str) -> LaunchPlan:
@@ -188,7 +190,7 @@ def _with_memory_estimate(plan: LaunchPlan, origin: str) -> LaunchPlan:
     will not fit the GPU (`launcher.cli.memory_check`)."""
     import dataclasses
 
-    from launcher.cli.memory_check import gpu_memory_check
+    from launcher.cli.dry_build import gpu_memory_check
 
     world = plan.devices.processes * plan.nodes.max
     estimate, note = gpu_memory_check(plan.spec, origin, world, plan.devices.processes)

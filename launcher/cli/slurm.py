@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from launcher.cli.options import ConfigOpt, DebugOpt, Overrides, print_from_spec
-from launcher.launch.slurm import CPUS_PER_GPU
+from launcher.clusters.slurm import CPUS_PER_GPU
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -37,7 +37,7 @@ def slurm_command(
     preempted. Submit it with: train slurm ... > job.sbatch && sbatch job.sbatch"""
 
     def script(spec: RunSpec) -> str:
-        from launcher.launch.slurm import sbatch_script
+        from launcher.clusters.slurm import sbatch_script
 
         return sbatch_script(
             str(config),

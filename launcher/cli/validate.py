@@ -20,7 +20,7 @@ from launcher.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from launcher.config.spec import RunSpec
+    pass
 
 
 def validate_command(
@@ -63,7 +63,7 @@ def validate_command(
             from launcher.config.sources import explain_text
 
             typer.echo(explain_text(spec, sources))
-        from launcher.cli.recipe_check import dry_build
+        from launcher.cli.dry_build import dry_build
         from launcher.metrics.trackers import check_trackers_usable
 
         check_trackers_usable(spec.log.trackers)
@@ -75,15 +75,3 @@ def validate_command(
         return 0
 
     run_guarded(check, debug)
-
-
-def check_recipe(spec: RunSpec, sources: dict[str, str]) -> None:
-    """Imports the recipe as the workers will (from the working directory) and checks that it
-    defines what the launcher calls, with arguments its functions take; builds nothing.
-    `sources`: where each key came from, so that a missing file's error says what its path
-    was relative to."""
-    from launcher.cli.recipe_check import load_checked
-    from launcher.launch.reaper import children_reaped
-
-    with children_reaped():  # a process the recipe starts as it is imported ends here
-        load_checked(spec, sources.get("recipe.source", ""))

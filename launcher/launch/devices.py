@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from launcher.errors import UsageError
-from launcher.launch.ranks import plain_number
 from launcher.parallel.registry import STRATEGIES, strategy_info
+from launcher.plain_number import plain_number
 
 TPU_INSTALL = (
     "pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'   (or: pip install 'launcher[tpu]')"

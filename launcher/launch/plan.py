@@ -10,26 +10,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint.damage import refuse_damaged
-from launcher.checkpoint.format import read_meta, recorded_spec
-from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.checkpoint.weights_source import check_weights
+from launcher.clusters.kubernetes import NPROC_PER_NODE
+from launcher.clusters.nodes import Nodes
+from launcher.clusters.tpu_pod import host_index
 from launcher.config.loader import SpecLayers
-from launcher.config.resume import ResumedSpec, spec_on_resume
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
-from launcher.launch import folder_choice
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
-from launcher.launch.kubernetes import NPROC_PER_NODE
-from launcher.launch.nodes import Nodes
-from launcher.launch.ranks import parse_ranks, plain_number
-from launcher.launch.tpu_pod import host_index
+from launcher.launch.ranks import parse_ranks
+from launcher.launch.resume_decision import ResumeDecision, decide_resume
 from launcher.metrics.trackers import check_trackers_usable
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
+from launcher.plain_number import plain_number
 from launcher.rundir.layout import RunLayout
-from launcher.rundir.reading import UnreadableJson
 from launcher.rundir.worker_plan import WorkerPlan
 
 
@@ -39,7 +35,7 @@ class LaunchPlan:
     run_dir: Path
     accelerator: str  # "cpu", "gpu" or "tpu": never "auto"
     devices: Devices  # this node's devices, processes and replicas
-    resume_from: Path | None  # a complete checkpoint folder
+    resume_from: Path | None  # the complete checkpoint the run's first attempt starts from
     show_ranks: frozenset[int] | None  # --ranks display filter; None shows every rank
     omp_threads: int
     debug: bool = False
@@ -145,18 +141,13 @@ def make_plan(
     nodes: Nodes | None = None,
     sources: dict[str, str] | None = None,
     layers: SpecLayers | None = None,  # what the user gave: a resume merges it onto the run's
+    resume_decided: ResumeDecision | None = None,  # already decided (a resume without --config)
 ) -> LaunchPlan:
     nodes = nodes or Nodes()
-    given_run_dir = run_dir
-    run_dir, resume_from = _run_and_resume(spec, nodes, run_dir, resume)
-    config_file = layers.yaml if layers is not None else None
-    changes: tuple[str, ...] = ()
-    if resume_from is not None and layers is not None:
-        resumed = _resumed(resume_from, layers)
-        spec, sources, config_file = resumed.spec, resumed.sources, resumed.yaml
-        changes = tuple(change.describe() for change in resumed.changes)
-    if resume_from is not None:
-        _check_steps_left(spec, resume_from)
+    decision = resume_decided or decide_resume(
+        spec, resume=resume, run_dir=run_dir, job_id=nodes.job_id, layers=layers, sources=sources
+    )
+    spec, sources, resume_from = decision.spec, decision.sources, decision.checkpoint
     # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
     # exactly for the strategies that run on nothing else.
     tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
@@ -169,9 +160,9 @@ def make_plan(
         )
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
-    devices = _checked_devices(spec, accelerator, nodes, sources or {})
+    devices = _checked_devices(spec, accelerator, nodes, sources)
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
-    sources = _with_resolved(sources or {}, spec, resolved)
+    sources = _with_resolved(sources, spec, resolved)
     spec = resolved
     on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
     try:
@@ -180,7 +171,7 @@ def make_plan(
         raise UsageError(str(exc)) from None
     return LaunchPlan(
         spec=spec,
-        run_dir=run_dir,
+        run_dir=decision.run_dir,
         accelerator=accelerator,
         devices=devices,
         resume_from=resume_from,
@@ -191,40 +182,10 @@ def make_plan(
         host_index=host_index(os.environ) if on_tpu else 0,
         nodes=nodes,
         sources=sources,
-        changes=changes,
-        config_file=config_file,
-        run_dir_given=given_run_dir is not None,
+        changes=decision.said,
+        config_file=decision.config_file,
+        run_dir_given=run_dir is not None,
     )
-
-
-def _resumed(resume_from: Path, layers: SpecLayers) -> ResumedSpec:
-    """The spec of a resumed run: the checkpoint's own, with what the user changes now; a
-    change no resume can take is refused."""
-    refuse_damaged(resume_from)  # before anything is read from it
-    resumed = spec_on_resume(*recorded_spec(resume_from), layers)
-    for change in resumed.changes:
-        if change.key == "recipe.source" and _another_recipe(change.before, change.after):
-            raise UsageError(
-                f"recipe.source ({change.origin}): {resume_from} was trained by "
-                f"{change.before}; a resumed run continues with its own recipe",
-                hint="Start a new run without --resume to train another recipe.",
-            )
-    _refuse_weights_on_resume(resume_from, layers, resumed)
-    return resumed
-
-
-def _refuse_weights_on_resume(resume_from: Path, layers: SpecLayers, resumed: ResumedSpec) -> None:
-    """`load.weights` starts a new run; a resumed run goes on from its own checkpoint. A run
-    that was started from weights keeps the key as it had it, and never loads them again."""
-    origins = [origin for key, value, origin in layers.given if key == "load.weights" and value]
-    origins += [c.origin for c in resumed.changes if c.key == "load.weights" and c.after]
-    if origins:
-        raise UsageError(
-            f"load.weights ({origins[0]}): starts a new run from weights, and --resume "
-            f"{resume_from} continues a run from its own checkpoint; give one of them",
-            hint="To fine-tune, start a new run (no --resume); to continue this run, leave "
-            "load.weights as the run had it.",
-        )
 
 
 def _weights_found(spec: RunSpec, resume_from: Path | None) -> RunSpec:
@@ -236,31 +197,6 @@ def _weights_found(spec: RunSpec, resume_from: Path | None) -> RunSpec:
     source = check_weights(Path(spec.load.weights))
     load = spec.load.model_copy(update={"weights": str(source.path)})
     return spec.model_copy(update={"load": load})
-
-
-def _another_recipe(before: str, after: str) -> bool:
-    """Whether a resume names another recipe: another module, or a file of other contents (the
-    same recipe moved, or a checkout in another folder, is the same recipe)."""
-    old, new = Path(before), Path(after)
-    if not (before.endswith(".py") and after.endswith(".py")):
-        return before != after
-    return old.is_file() and new.is_file() and old.read_bytes() != new.read_bytes()
-
-
-def _check_steps_left(spec: RunSpec, resume_from: Path) -> None:
-    """A resumed run must have steps left to train: one that would start past its end is
-    refused before anything starts."""
-    try:
-        step = read_meta(resume_from).get("step")
-    except (OSError, ValueError, UnreadableJson):  # damaged: the damage check names it
-        return
-    end = spec.train.max_steps
-    if isinstance(step, int) and end is not None and end <= step:
-        raise UsageError(
-            f"train.max_steps={end}: the checkpoint it resumes ({resume_from}) is at step "
-            f"{step} already; nothing is left to train",
-            hint=f"Raise train.max_steps past {step} (e.g. train.max_steps={2 * step}).",
-        )
 
 
 def _check_options(spec: RunSpec, accelerator: str) -> None:
@@ -334,32 +270,6 @@ def _with_resolved(sources: dict[str, str], given: RunSpec, resolved: RunSpec) -
         given_by = f" from {out[key]}" if key in out else ""
         out[key] = f"resolved at launch (was {was!r}{given_by})"
     return out
-
-
-def _run_and_resume(
-    spec: RunSpec, nodes: Nodes, run_dir: Path | None, resume: str | None
-) -> tuple[Path, Path | None]:
-    """The run folder, and the checkpoint the first attempt starts from (`resume_point`)."""
-    output_dir, name, job_id = Path(spec.run.output_dir), spec.run.name, nodes.job_id
-    if run_dir is not None:
-        folder_choice.check_is_folder(run_dir)
-    if job_id is not None:
-        run_dir = run_dir or folder_choice.job_run_dir(output_dir, name, job_id)
-        folder_choice.refuse_finished_job(run_dir, job_id)  # whatever --resume says
-    request = ResumeRequest(resume, output_dir, name, job=job_id is not None) if resume else None
-    # Whether its files are whole is checked just before the run folder is created
-    # (run_folder.prepare_run_dir), once this node's plan is made.
-    asked = resume_point(request)
-    if job_id is None:
-        if resume == "best" and run_dir is None:
-            # The best is rarely the newest: continuing in its folder would overwrite newer
-            # checkpoints, so the run branches off into a folder of its own.
-            run_dir = folder_choice.new_run_dir(output_dir, name)
-        run_dir = folder_choice.own_run(output_dir, name, run_dir, asked)
-    elif resume != "latest":  # `latest`: the job's own newest checkpoint, or none yet
-        folder_choice.check_job_resume(run_dir, job_id, asked)
-    assert run_dir is not None
-    return run_dir, resume_point(asked, run_dir)
 
 
 def _omp_threads(accelerator: str, nproc: int) -> int:

@@ -1,22 +1,13 @@
-"""Rank sets as short text: ``0-3,5,7-8``, and the plain number every count, rank and port
-the launcher reads from a flag or an environment variable is read as.
+"""Rank sets as short text: ``0-3,5,7-8``.
 
 Used for the ``--ranks`` flag and for prefixes of lines that several ranks printed.
 """
 
 from collections.abc import Iterable
 
+from launcher.plain_number import plain_number
+
 _EXPECTED = "use a comma-separated list such as 0,2-3"
-
-
-def plain_number(text: str, digits: int = 9) -> int | None:
-    """`text` as a number where it is ASCII digits alone, at most `digits` of them; else None.
-
-    str.isdigit() takes "²", which int() refuses; int() takes " 4", "+4", "4_0" and "٤", which
-    no flag or variable means; and the bound keeps int() off a 5,000-digit string."""
-    if text.isascii() and text.isdigit() and len(text) <= digits:
-        return int(text)
-    return None
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

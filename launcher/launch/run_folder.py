@@ -6,7 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.checkpoint.damage import refuse_damaged
 from launcher.checkpoint.pruning import finish_cut_short
 from launcher.config.loader import spec_to_yaml
 from launcher.config.sources import annotate_yaml
@@ -27,9 +26,8 @@ def prepare_run_dir(plan: LaunchPlan) -> run_lock.RunLock:
     """Creates the run folder (never world-writable) and locks it, saves the resolved spec into
     it and writes this node's worker plan. Returns the lock: the run folder's one writer is the
     launcher that holds it (node 0's, when several nodes share the folder)."""
-    if plan.resume_from is not None:
-        # Before anything is created, so that a retry finds nothing in its way.
-        refuse_damaged(plan.resume_from)
+    # A damaged checkpoint was refused when the resume was decided (`resume_decision`), before
+    # anything is created, so that a retry finds nothing in its way.
     _create(plan)
     lock = run_lock.take(plan.layout) if plan.writes_shared_files else run_lock.RunLock()
     try:

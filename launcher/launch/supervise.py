@@ -40,16 +40,10 @@ class Outcome:
     stalls: list[Stall] = field(default_factory=list)
     untrained: bool = False  # stopped before any rank finished a step: nothing to save
     folder_gone: bool = False  # the run folder was deleted or moved while the run ran
-    killed: bool = False  # the workers were killed (the agent's thread may be inside torch)
 
     @property
     def exit_code_of_signal(self) -> int:
         return SIGNAL_EXIT.get(self.signal_name, 1)
-
-    @property
-    def at_once(self) -> bool:
-        """Whether the workers were killed: the elastic agent's thread may still be in torch."""
-        return self.signals >= 2 or bool(self.stalls) or self.untrained or self.killed
 
 
 def supervise(
@@ -67,7 +61,7 @@ def supervise(
             agent.join(0.2)
             if folder.gone() and not folder.stop_in_new_folder(stop_request, console):
                 kill_workers(spare)
-                return Outcome(None, signals.received, signals.name, folder_gone=True, killed=True)
+                return Outcome(None, signals.received, signals.name, folder_gone=True)
             if signals.received == 1 and not signals.forwarded:
                 signals.forwarded = True
                 if view.untrained():

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT, is_number
+from launcher.metrics.record_fields import NOT_METRICS, RESUMED_AT, is_number
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import open_regular, parse_json_or_none, read_json_or_none
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
-    from launcher.metrics.sinks import RunEnd
+    from launcher.metrics.sink_types import RunEnd
 
 _CHUNK = 1 << 20
 

@@ -14,73 +14,38 @@ end of the run says how many records each sink missed.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from launcher.config.spec import RunSpec
-
-
-@dataclass(frozen=True)
-class RunEnd:
-    """How this process's part of the run ended, for the trackers' run status."""
-
-    # finished: trained to the end (or stopped early); stopped: asked to stop (a preemption,
-    # Ctrl-C), to be resumed; failed: an error.
-    status: Literal["finished", "stopped", "failed"]
-    best_checkpoint: str | None = None
-
+from launcher.metrics.progress import ProgressSink, about_run
+from launcher.metrics.sink_types import RunEnd, Sink, warn
+from launcher.metrics.trackers.records import TrackerRecords
+from launcher.metrics.trackers.registry import tracker_class
+from launcher.rundir.layout import RunLayout
 
 # The longest the first step waits for the sinks to start (a tracker's import and connection,
 # seconds of CPU that would otherwise be taken from the first steps); a tracker still
 # connecting after it goes on in the background.
 START_WAIT_S = 15.0
-# How often a tracker delivers what it was sent (its `flush_every`): a request per record
-# would take a few ms of CPU from training at every step of a fast run.
-PUSH_EVERY_S = 1.0
 # The records each sink's queue holds: past it, its oldest are dropped.
 QUEUE_RECORDS = 10_000
 # The longest the end of a run waits for the sinks to write what they were given.
 CLOSE_TIMEOUT_S = 10.0
 
 
-class Sink(Protocol):
-    """A destination for metrics records. Only its own thread calls it, so it may block and
-    it may raise. It may also have a `flush_every` (seconds, 0 where it has none): the least
-    time between two flushes, for a tracker whose flush is a request."""
-
-    name: str  # the spec key that turns it on, for its warnings: "tensorboard", "mlflow"
-    where: str  # what it writes to, for its warnings: a folder, a URL
-
-    def start(self) -> None:
-        """Before the first record: a tracker connects (from the sink's thread)."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        """One record: `step` and `time`, then metrics by name (`loss`, `val/loss`, ...)."""
-
-    def flush(self) -> None:
-        """Makes what was written visible to readers (a tracker delivers it): called when the
-        queue runs empty, at most once every `flush_every` seconds. A record has reached the
-        sink when a flush after it returned."""
-
-    def end(self, outcome: RunEnd) -> None:
-        """The run's end, after its last record: a tracker marks its run finished or not."""
-
-    def close(self) -> None: ...
-
-
 def build_sinks(spec: RunSpec, run_dir: Path) -> list[Sink]:
-    """The sinks the `log` section turns on, for rank 0 of a run in `run_dir`, after the
-    progress that `train runs` reads (always on)."""
-    from launcher.metrics.progress import ProgressSink, about_run
-    from launcher.metrics.trackers import build_trackers
-
-    return [ProgressSink(run_dir, about_run(spec)), *build_trackers(spec, run_dir)]
+    """The sinks the `log` section turns on, for rank 0 of a run in `run_dir`: the progress
+    that `train runs` reads (always on), then the trackers `log.trackers` names, in its order,
+    each built by its class in the registry (`launcher.metrics.trackers.registry`), whose
+    module is imported only now."""
+    records = TrackerRecords(RunLayout(run_dir).trackers)  # one for all: each rewrites it whole
+    trackers = [tracker_class(name).for_run(spec, run_dir, records) for name in spec.log.trackers]
+    return [ProgressSink(run_dir, about_run(spec)), *trackers]
 
 
 class BackgroundWriter:
@@ -264,8 +229,3 @@ class SinkThread:
                 sink.close()
             return False
         return True
-
-
-def warn(who: str, what: str) -> None:
-    # One line on this rank's stderr (its log and the display), as the profiler's warnings.
-    print(f"WARNING: {who}: {what}", file=sys.stderr, flush=True)

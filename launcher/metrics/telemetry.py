@@ -10,7 +10,8 @@ Workers write (paths: `launcher.rundir.layout`):
   the same size at any run length: `launcher.metrics.step_times`); each metrics record also
   goes to rank 0's sinks (`launcher.metrics.sinks`: the run's progress.json, TensorBoard's
   event files, the trackers), each fed by a thread of its own; summary.json ends with how many
-  records each sink missed (`records_missed`).
+  records each sink missed (`records_missed`). The fields of a record that are not metrics, and
+  the resume marker, are `launcher.metrics.record_fields`'s.
 """
 
 from __future__ import annotations
@@ -24,26 +25,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
+from launcher.metrics.record_fields import RESUMED_AT
 from launcher.metrics.step_times import StepTimes
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import read_head
 
 if TYPE_CHECKING:
-    from launcher.metrics.sinks import RunEnd, Sink
-
-# The marker rank 0 writes into metrics.jsonl when a run resumes: {"resumed_at": STEP, "time":
-# ...}, STEP the step of the checkpoint it resumed from. The records before it of later steps
-# were done again after it (the run was killed past its last checkpoint): readers keep the
-# newer ones (`launcher.runs.metrics_file`).
-RESUMED_AT = "resumed_at"
-# The fields of a metrics record that say where a point is (its x axes), not a metric.
-NOT_METRICS = frozenset({"step", "epoch", "time", RESUMED_AT})
-
-
-def is_number(value: Any) -> bool:
-    """Whether a record's field holds a number (JSON's `true` is a bool, not one)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    from launcher.metrics.sink_types import RunEnd, Sink
 
 
 class Beat(NamedTuple):

@@ -118,8 +118,8 @@ def encode_event(
 
 class EventWriter:
     """Scalars into a new event file in `directory` (made if missing), synchronously: the
-    caller decides when to pay for the disk (`launcher.metrics.tensorboard` does it in a
-    thread of its own)."""
+    caller decides when to pay for the disk (`launcher.metrics.trackers.tensorboard` does it
+    in a thread of its own)."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

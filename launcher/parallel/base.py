@@ -18,6 +18,7 @@ from torch import nn
 from launcher.parallel import rng
 from launcher.parallel.dims import ParallelDims
 from launcher.parallel.weight_init import WeightInit
+from launcher.startup_trace import mark
 
 
 class Strategy(ABC):
@@ -45,7 +46,9 @@ class Strategy(ABC):
         """Build the recipe's model (`factory`), initialise it (`init`), place it and make it
         distributed. `parallelize`: the recipe's tensor-parallel plan, for a backend with a
         `tp` dimension (`launcher.parallel.tensor_parallel`)."""
-        return self.wrap_model(init.build(factory))
+        model = self.wrap_model(init.build(factory))
+        mark("model-built")
+        return model
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ from launcher.parallel import regional_compile
 from launcher.parallel.base import Strategy, gradient_norm, local_shard
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.precision import MixedPrecision
+from launcher.startup_trace import mark
 
 
 class TorchDistributedStrategy(Strategy):
@@ -69,6 +70,7 @@ class TorchDistributedStrategy(Strategy):
         self.precision = MixedPrecision(self.precision_name, self.device.type)
         # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
         self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
+        mark("process-group")
 
     def check_layers(self, model: nn.Module) -> None:
         """Layers torch cannot run on this run's device, refused in one line, before a
@@ -189,3 +191,4 @@ class TorchDistributedStrategy(Strategy):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        mark("teardown")

@@ -33,8 +33,9 @@ class WorkerPlan:
     # just one ("1"); None: the worker is the replica.
     xla_spawn: str | None = None
     rank_offset: int = 0  # a TPU pod host's first global rank: its agent numbers from 0
-    # The checkpoint the run's first attempt resumes from (the resume rule decides for every
-    # attempt: `launcher.checkpoint.selection.resume_point`).
+    # The checkpoint the run's first attempt starts from, as the launcher decided it once
+    # (`launcher.launch.resume_decision`); a restarted attempt asks the rule again
+    # (`launcher.checkpoint.selection.attempt_start`).
     resume_from: Path | None = None
     compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
     # The YAML file as this launch read it: every checkpoint records it for the next resume.

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.metrics.progress import value
-from launcher.metrics.telemetry import NOT_METRICS, RESUMED_AT
+from launcher.metrics.record_fields import NOT_METRICS, RESUMED_AT
 from launcher.rundir.reading import parse_json_or_none, read_tail
 
 # The most of a metrics file read: its newest records (over a million steps of a few metrics).

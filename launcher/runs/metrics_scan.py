@@ -26,7 +26,7 @@ from typing import BinaryIO
 import numpy as np
 
 from launcher.metrics.progress import Extremes, Progress
-from launcher.metrics.telemetry import RESUMED_AT
+from launcher.metrics.record_fields import RESUMED_AT
 from launcher.rundir.reading import open_regular
 from launcher.runs.metrics_file import MAX_METRICS_BYTES
 

@@ -9,12 +9,13 @@ from typing import Any
 import torch
 
 from launcher.checkpoint import checkpointer as checkpoint
-from launcher.checkpoint.selection import resume_point
+from launcher.checkpoint.selection import attempt_start
 from launcher.checkpoint.state import ModelState
 from launcher.checkpoint.weights import load_weights
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
-from launcher.metrics.sinks import RunEnd, build_sinks
+from launcher.metrics.sink_types import RunEnd
+from launcher.metrics.sinks import build_sinks
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy
 from launcher.parallel.rng import rank_seed
@@ -44,7 +45,7 @@ class Trainer:
         strategy: Strategy,
         run_dir: Path,
         attempt: int = 0,  # restarts of the run so far (torch.distributed.elastic's count)
-        resume_from: Path | None = None,  # the plan's choice; `resume_point` decides
+        resume_from: Path | None = None,  # the launcher's decision, for the first attempt
         config_file: dict[str, Any] | None = None,  # the YAML file as read, for checkpoints
     ) -> None:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
@@ -54,9 +55,9 @@ class Trainer:
         self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, sinks)
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
-        # Rank 0 decides: nodes started again, and nodes that restarted their workers, may each
-        # have seen a different newest checkpoint.
-        self.resume_from = strategy.from_main(resume_point(resume_from, run_dir))
+        # A restarted attempt asks the rule again, and rank 0's answer wins: nodes started
+        # again, and nodes that restarted their workers, may each have seen another newest.
+        self.resume_from = strategy.from_main(attempt_start(resume_from, run_dir, attempt))
         if attempt:
             print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
         self.model = self._build_model()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
+from launcher.worker import startup  # noqa: F401  (the collector paused until training)
 from launcher.worker.sigterm import stop_on_outside_sigterm
 
 

@@ -61,6 +61,10 @@ class Reporter:
         )
         for line in grouping.lines():
             self.say(line)
+        # Said right before the first step: the start is over (`launcher.worker.startup`).
+        from launcher.worker.startup import over
+
+        over()
 
     def say(self, text: str, every_rank: bool = False) -> None:
         if text and (every_rank or self.strategy.is_main):

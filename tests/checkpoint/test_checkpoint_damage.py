@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import metrics_of, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -81,7 +82,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_newest_intact_o
     _copy(base, tmp_path)
     damage(tmp_path / STEP_6)
     before = _snapshot(tmp_path)
-    result = run_train(["--config", "run.yaml", "--resume", "latest"], cwd=tmp_path, timeout=60)
+    result = train_in_fork(["--config", "run.yaml", "--resume", "latest"], tmp_path, timeout=60)
     usage_error(result, "step-00000006", named, f"newest intact checkpoint is {tmp_path / STEP_4}")
     assert "--run-dir" in result.stdout + result.stderr  # how to resume it: branch off
     assert _snapshot(tmp_path) == before, "a file was changed, added or deleted"
@@ -91,7 +92,7 @@ def test_resume_best_refuses_a_damaged_record_of_the_best(base: Path, tmp_path: 
     _copy(base, tmp_path)
     (tmp_path / STEP_6 / "meta.json").write_text("{garbage")
     before = _snapshot(tmp_path)
-    result = run_train(["--config", "run.yaml", "--resume", "best"], cwd=tmp_path, timeout=60)
+    result = train_in_fork(["--config", "run.yaml", "--resume", "best"], tmp_path, timeout=60)
     usage_error(result, "--resume best", "meta.json: not valid JSON", "step-00000004")
     assert _snapshot(tmp_path) == before
 
@@ -104,7 +105,7 @@ def test_failed_branch_attempts_leave_nothing_in_the_way_of_the_retry(
     _copy(base, tmp_path)
     _truncate(tmp_path / STEP_6 / "__1_0.distcp")
     branch = ["--config", "run.yaml", "--run-dir", "branch"]
-    usage_error(run_train([*branch, "--resume", STEP_6], cwd=tmp_path, timeout=60), "truncated")
+    usage_error(train_in_fork([*branch, "--resume", STEP_6], tmp_path, timeout=60), "truncated")
     assert not (tmp_path / "branch").exists()
     branch += ["--resume", STEP_4]
     # Another model: the workers refuse the checkpoint, after the folder was created.

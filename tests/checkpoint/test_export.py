@@ -1,7 +1,8 @@
 """`train export`: a checkpoint of any strategy and world size becomes one file that plain
 PyTorch loads strictly into the recipe's own model, with the weights the run saved. Runs are
-real (`train` as a subprocess); the exported weights are checked against the checkpoint read
-by another route (DCP in this process), not against export's own reader."""
+real (`train` as a subprocess), `train export` runs in a fork of this process
+(tests/forked_train.py); the exported weights are checked against the checkpoint read by another
+route (DCP in this process), not against export's own reader."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import train_in_fork
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -89,7 +91,7 @@ def _assert_same_model(a: torch.nn.Module, b: torch.nn.Module, inputs: torch.Ten
 
 
 def _export(source: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_train(["export", str(source), "--out", str(out), *args], cwd=out.parent)
+    return train_in_fork(["export", str(source), "--out", str(out), *args], cwd=out.parent)
 
 
 def _train(folder: Path, env: dict[str, str] | None = None, **sections: dict) -> Path:

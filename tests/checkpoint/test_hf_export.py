@@ -18,6 +18,7 @@ from launcher.cli.export import recipe_model
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from tests.conftest import REPO, metrics_of, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -73,7 +74,7 @@ def _val_loss(model: torch.nn.Module) -> float:
 
 
 def _export(run: Path, *args: str) -> None:
-    result = run_train(["export", str(run), *args], cwd=run.parent)
+    result = train_in_fork(["export", str(run), *args], cwd=run.parent)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -145,7 +146,7 @@ def test_hf_export_of_a_model_that_is_not_hugging_faces_names_the_plain_export(
 
     checkpoint = _fake_checkpoint(tmp_path / "ckpt", REPO / "recipes" / "mlp.py",
                                   build_model().state_dict())  # fmt: skip
-    result = run_train(["export", str(checkpoint), "--hf", str(tmp_path / "hf")], tmp_path)
+    result = train_in_fork(["export", str(checkpoint), "--hf", str(tmp_path / "hf")], tmp_path)
     usage_error(result, "--hf: the recipe's model is a Sequential, not a Hugging Face", "--out")
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -156,7 +157,7 @@ def test_hf_export_never_writes_into_a_folder_that_holds_anything(tmp_path: Path
     taken = tmp_path / "hf"
     taken.mkdir()
     (taken / "mine.txt").write_text("mine")
-    result = run_train(["export", str(checkpoint), "--hf", str(taken)], tmp_path)
+    result = train_in_fork(["export", str(checkpoint), "--hf", str(taken)], tmp_path)
     usage_error(result, f"--hf {taken}: this folder is not empty; it is never overwritten")
     assert [p.name for p in taken.iterdir()] == ["mine.txt"]
     assert (taken / "mine.txt").read_text() == "mine"
@@ -164,12 +165,14 @@ def test_hf_export_never_writes_into_a_folder_that_holds_anything(tmp_path: Path
 
 def test_export_takes_out_or_hf(tmp_path: Path) -> None:
     checkpoint = _fake_checkpoint(tmp_path / "ckpt", GPT2, {"w": torch.ones(3)})
-    neither = run_train(["export", str(checkpoint)], tmp_path)
+    neither = train_in_fork(["export", str(checkpoint)], tmp_path)
     usage_error(neither, "give --out FILE (a state_dict) or --hf DIR")
     both = ["--out", str(tmp_path / "m.pt"), "--hf", str(tmp_path / "hf")]
-    usage_error(run_train(["export", str(checkpoint), *both], tmp_path), "one of the two")
+    usage_error(train_in_fork(["export", str(checkpoint), *both], tmp_path), "one of the two")
     size = ["--hf", str(tmp_path / "hf"), "--max-shard-size", "5 gigs"]
-    usage_error(run_train(["export", str(checkpoint), *size], tmp_path), "--max-shard-size 5 gigs")
+    usage_error(
+        train_in_fork(["export", str(checkpoint), *size], tmp_path), "--max-shard-size 5 gigs"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 

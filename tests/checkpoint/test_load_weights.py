@@ -23,6 +23,7 @@ from launcher.parallel.rng import seed_everything
 from launcher.rundir.layout import RunLayout
 from recipes.mlp import build_model
 from tests.conftest import metrics_of, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -46,14 +47,21 @@ def _evaluations(run: Path) -> list[dict]:
 
 
 def _fine_tune(
-    folder: Path, *args: str, strategy: str = "ddp", env: dict | None = None, **sections: dict
+    folder: Path,
+    *args: str,
+    strategy: str = "ddp",
+    env: dict | None = None,
+    refused: bool = False,
+    **sections: dict,
 ) -> tuple:
     """A new run of the mlp recipe in `folder` (its own runs/), started with `args`; returns
-    the result and the run folder (None where it made none)."""
+    the result and the run folder (None where it made none). `refused`: the run is refused
+    before any worker starts, so `train` runs in a fork of this process (tests/forked_train.py)."""
     folder.mkdir(parents=True, exist_ok=True)
     launch = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
     spec = write_spec(folder / "ft.yaml", **{**FINE_TUNE, "launch": launch, **sections})
-    result = run_train(["--config", str(spec), *args], cwd=folder, env=env)
+    run = train_in_fork if refused else run_train
+    result = run(["--config", str(spec), *args], cwd=folder, env=env)
     runs = folder / "runs"
     made = [p for p in runs.glob("*/*") if p.is_dir()] if runs.is_dir() else []
     return result, made[0] if made else None
@@ -107,7 +115,7 @@ def test_an_export_and_a_hugging_face_folder_start_ddp_runs(
     from safetensors.torch import load_file, save_file
 
     exported = tmp_path / "model.safetensors"
-    result = run_train(["export", str(source_run), "--out", str(exported)], cwd=tmp_path)
+    result = train_in_fork(["export", str(source_run), "--out", str(exported)], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     # Given on the command line: relative to the working directory.
     result, run = _fine_tune(tmp_path / "export", "--load-weights", "../model.safetensors")
@@ -144,7 +152,7 @@ def test_mismatched_names_are_refused_and_strict_false_loads_the_rest(tmp_path: 
     weights = tmp_path / "weights.pt"
     torch.save({f"module.{k}": v for k, v in saved.items()}, weights)
 
-    result, _ = _fine_tune(tmp_path / "strict", "--load-weights", str(weights))
+    result, _ = _fine_tune(tmp_path / "strict", "--load-weights", str(weights), refused=True)
     usage_error(
         result,
         f"load.weights {weights}: these weights do not fit the model (3 mismatched names):",
@@ -188,7 +196,7 @@ def test_a_run_started_from_weights_resumes_from_its_own_checkpoint(tmp_path: Pa
 
     # Weights given with --resume: the two ask for different runs.
     for given in (["--load-weights", str(run)], [f"load.weights={run}"]):
-        again = run_train(["--resume", str(run), "train.max_steps=3", *given], cwd=tmp_path)
+        again = train_in_fork(["--resume", str(run), "train.max_steps=3", *given], tmp_path)
         usage_error(again, "starts a new run from weights, and --resume", "give one of them")
     assert RunLayout(run).latest_complete() == RunLayout(run).checkpoint(2)
 
@@ -208,7 +216,7 @@ def test_weights_that_cannot_load_are_refused_before_anything_starts(tmp_path: P
         str(incomplete): "neither a checkpoint nor a run folder with a complete checkpoint",
     }
     for path, expected in cases.items():
-        result, run = _fine_tune(tmp_path / "try", "--load-weights", path)
+        result, run = _fine_tune(tmp_path / "try", "--load-weights", path, refused=True)
         usage_error(result, f"load.weights {path}: {expected}")
         assert run is None  # no run folder, no worker
 

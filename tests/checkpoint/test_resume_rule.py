@@ -138,9 +138,10 @@ def test_a_jobs_latest_is_its_own_folder(tmp_path: Path) -> None:
     assert resume_point(resume_point(asked), job_dir) == own != other
 
 
-# The modules that ask for a resume point; none of them may work one out itself.
-# (The launcher's supervisor needs none: each heartbeat says the step its process started from.)
-ASKERS = ("launch/plan.py", "worker/loop.py")
+# The modules that ask for a resume point, and what they ask: the launcher's decision, once,
+# and a worker's restarted attempt. None of them may work one out itself. (The launcher's
+# supervisor needs none: each heartbeat says the step its process started from.)
+ASKERS = {"launch/resume_decision.py": "resume_point", "worker/loop.py": "attempt_start"}
 
 
 def _decides_a_resume_point(tree: ast.AST) -> list[int]:
@@ -169,8 +170,8 @@ def test_no_other_module_decides_a_resume_point() -> None:
         and (lines := _decides_a_resume_point(ast.parse(path.read_text())))
     }
     assert not offenders, offenders
-    for asker in ASKERS:
-        assert "resume_point" in (package / asker).read_text(), f"{asker} restates the rule"
+    for asker, asked in ASKERS.items():
+        assert asked in (package / asker).read_text(), f"{asker} restates the rule"
 
 
 def test_the_check_finds_a_rule_restated() -> None:

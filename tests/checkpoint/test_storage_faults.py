@@ -24,17 +24,16 @@ from launcher.launch.root_cause import root_cause
 from launcher.rundir.layout import RunLayout
 from tests.conftest import TRAIN, finish_train, run_train, start_train, usage_error, write_spec
 from tests.launch.test_multinode import finish_nodes, free_port, node_args
+from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
 # $STORAGE_FAULT at micro-step $FAULT_AT: `fill` (rank 0 fills the disk of $FILL_FILE, as
 # another program would), `metrics-full` (rank 0's metrics.jsonl hits a full disk) or `torn-error-file`/`empty-error-file` (rank 1 dies while writing
-# its elastic error file).
-STORAGE_RECIPE = """
+# its elastic error file). The tiny recipe's data, with a bigger model.
+STORAGE_HOOKS = """
 import os
-import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 calls = 0
 FAULT = os.environ.get("STORAGE_FAULT", "")
@@ -44,11 +43,6 @@ AT = int(os.environ.get("FAULT_AT", "4"))
 def build_model():
     # About 1 MB of weights: more than a full disk has room for.
     return nn.Sequential(nn.Linear(4, 512), nn.Linear(512, 512), nn.Linear(512, 1))
-
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(512, 4, generator=g), torch.randn(512, 1, generator=g))
 
 
 def fill_disk(path):
@@ -78,13 +72,12 @@ def loss(model, batch):
             f.write('{"message": {"mess' if FAULT.startswith("torn") else "")
         print("dying while writing its error file", flush=True)
         os._exit(1)
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    return tiny.loss(model, batch)
 """
 
 
 def _spec(tmp_path: Path, output_dir: Path, **checkpoint: object) -> Path:
-    (tmp_path / "storage.py").write_text(STORAGE_RECIPE)
+    write_recipe(tmp_path, STORAGE_HOOKS, "storage.py")
     return write_spec(
         tmp_path / "run.yaml",
         run={"output_dir": str(output_dir)},

@@ -16,7 +16,8 @@ import pytest
 
 from launcher.config.loader import load_cli_spec
 from launcher.errors import UsageError
-from tests.conftest import REPO, finish_train, run_train, start_train, usage_error, write_spec
+from tests.conftest import REPO, finish_train, start_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -460,9 +461,11 @@ def test_bad_input(
     config = [] if "--config" in args else ["--config", "run.yaml"]
     # As on a machine without a TPU, also where tests set PJRT_DEVICE=CPU for XLA.
     env = {"PJRT_DEVICE": "TPU"}
-    limit = _limit_memory if bounded else None
-    proc = start_train([*config, *args], tmp_path, env, preexec_fn=limit)
-    result = finish_train(proc, tmp_path, timeout=90)
+    if bounded:  # its own interpreter: this one's heap is already past the limit
+        proc = start_train([*config, *args], tmp_path, env, preexec_fn=_limit_memory)
+        result = finish_train(proc, tmp_path, timeout=90)
+    else:
+        result = train_in_fork([*config, *args], tmp_path, env, timeout=90)
     output = result.stdout + result.stderr
     assert result.returncode == code, output
     for text in expected:
@@ -494,7 +497,7 @@ def test_a_recipe_path_is_relative_to_its_yaml_file_or_to_the_working_directory(
     (work / "mine.py").write_text(Path(MLP).read_text())
     spec = write_spec(configs / "run.yaml", recipe={"source": "mine.py"}, launch={"devices": 1})
     # In the YAML file: next to the file, where there is none.
-    result = run_train(["validate", "--config", str(spec)], cwd=work)
+    result = train_in_fork(["validate", "--config", str(spec)], cwd=work)
     usage_error(
         result,
         f"recipe.source: {configs / 'mine.py'} does not exist",
@@ -503,9 +506,9 @@ def test_a_recipe_path_is_relative_to_its_yaml_file_or_to_the_working_directory(
     )
     assert "working directory" not in result.stderr
     # On the command line: in the working directory, as any path typed there.
-    result = run_train(["validate", "--config", str(spec), "recipe.source=mine.py"], cwd=work)
+    result = train_in_fork(["validate", "--config", str(spec), "recipe.source=mine.py"], cwd=work)
     assert result.returncode == 0, result.stderr
-    result = run_train(["--config", str(spec), "recipe.source=other.py"], cwd=work)
+    result = train_in_fork(["--config", str(spec), "recipe.source=other.py"], cwd=work)
     usage_error(
         result,
         f"recipe.source: {work / 'other.py'} does not exist",

@@ -1,4 +1,5 @@
-"""The CLI at its boundary: `train` as a subprocess, its exit codes and messages."""
+"""The CLI at its boundary: `train` as a subprocess, its exit codes and messages. What is
+refused before any worker starts runs in a fork of this process (tests/forked_train.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.conftest import REPO, only_run_dir, run_train, write_spec
 from tests.conftest import usage_error as _usage_error
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +34,7 @@ def test_help_shows_every_flag_and_real_examples(tmp_path: Path) -> None:
 
 
 def test_validate_accepts_a_good_spec_and_runs_nothing(tmp_path: Path) -> None:
-    result = run_train(
+    result = train_in_fork(
         ["validate", "--config", str(REPO / "configs" / "gpt_ddp.yaml")], cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
@@ -43,7 +45,7 @@ def test_validate_accepts_a_good_spec_and_runs_nothing(tmp_path: Path) -> None:
 
 def test_bad_spec_exits_2_with_every_problem_and_no_traceback(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", optim={"lr": "fast"}, data={"batch_sise": 3})
-    result = run_train(["--config", str(spec), "--devices", "0"], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec), "--devices", "0"], cwd=tmp_path)
     _usage_error(
         result,
         "3 problems",
@@ -57,13 +59,13 @@ def test_bad_spec_exits_2_with_every_problem_and_no_traceback(tmp_path: Path) ->
 def test_recipe_without_required_functions(tmp_path: Path) -> None:
     (tmp_path / "half.py").write_text("def build_model():\n    pass\n")
     spec = write_spec(tmp_path / "run.yaml", recipe={"source": "half.py"})
-    result = run_train(["validate", "--config", str(spec)], cwd=tmp_path)
+    result = train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path)
     _usage_error(result, "half.py does not define build_dataset, loss")
 
 
 def test_gpu_without_cuda_says_what_is_missing(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml")
-    result = run_train(["--config", str(spec), "--accelerator", "gpu"], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec), "--accelerator", "gpu"], cwd=tmp_path)
     _usage_error(result, "--accelerator gpu: no CUDA GPU is visible", "--accelerator cpu")
 
 
@@ -80,7 +82,7 @@ def test_gpu_without_cuda_says_what_is_missing(tmp_path: Path) -> None:
 )
 def test_bad_flags(tmp_path: Path, args: list[str], expected: str) -> None:
     spec = write_spec(tmp_path / "run.yaml")
-    _usage_error(run_train(["--config", str(spec), *args], cwd=tmp_path), expected)
+    _usage_error(train_in_fork(["--config", str(spec), *args], cwd=tmp_path), expected)
 
 
 def test_an_existing_run_dir_is_never_overwritten(tmp_path: Path) -> None:
@@ -88,14 +90,14 @@ def test_an_existing_run_dir_is_never_overwritten(tmp_path: Path) -> None:
     existing.mkdir()
     (existing / "notes.txt").write_text("precious")
     spec = write_spec(tmp_path / "run.yaml")
-    result = run_train(["--config", str(spec), "--run-dir", str(existing)], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec), "--run-dir", str(existing)], cwd=tmp_path)
     _usage_error(result, "already holds a run; it is never overwritten", "--resume")
     assert [p.name for p in existing.iterdir()] == ["notes.txt"]
 
 
 def test_bad_model_arguments_name_the_key(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", recipe={"model": {"widht": 3}})
-    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec)], cwd=tmp_path)
     _usage_error(result, "recipe.model.widht: unknown key of build_model()", "valid here: in_dim")
 
 

@@ -15,7 +15,8 @@ from launcher.cli.recipe_check import check_arguments
 from launcher.config.spec import RecipeSection
 from launcher.errors import UsageError
 from launcher.worker.recipe import Recipe
-from tests.conftest import REPO, run_train, usage_error, write_spec
+from tests.conftest import REPO, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +74,7 @@ TENSORS = (
 
 def _validate(tmp_path: Path, *args: str, **sections: dict) -> tuple[int, str]:
     spec = write_spec(tmp_path / "run.yaml", **sections)
-    result = run_train(["validate", "--config", str(spec), *args], cwd=tmp_path, timeout=90)
+    result = train_in_fork(["validate", "--config", str(spec), *args], cwd=tmp_path, timeout=90)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -93,7 +94,7 @@ def test_a_mistyped_model_keyword_is_refused_with_the_real_name(tmp_path: Path) 
 
 def test_train_refuses_a_mistyped_keyword_before_it_creates_anything(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", recipe={"model": {"hiddn": 3}})
-    result = run_train(["--config", str(spec)], cwd=tmp_path, timeout=90)
+    result = train_in_fork(["--config", str(spec)], cwd=tmp_path, timeout=90)
     usage_error(result, "recipe.model.hiddn", "did you mean 'recipe.model.hidden'?")
     assert "rank" not in result.stdout + result.stderr  # no worker ever started
     assert not (tmp_path / "runs").exists()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from launcher.checkpoint.pruning import finish_cut_short
+from launcher.clusters.nodes import Nodes
 from launcher.errors import UsageError
-from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.rundir.layout import CheckpointFiles, RunLayout

@@ -2,6 +2,7 @@ import io
 import json
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -450,15 +451,18 @@ def test_lines_reach_a_buffered_file_while_the_run_goes_on(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_lines_a_blocked_console_could_not_show_are_counted(tmp_path, monkeypatch, capfd):
+    writing = threading.Event()
+
     class Blocked(io.StringIO):
         def write(self, text):
+            writing.set()
             time.sleep(3600)
 
     monkeypatch.setattr(display_console, "DRAIN_TIMEOUT_S", 0.5)
     display = RunDisplay(tmp_path, [0], console=Console(file=Blocked(), force_terminal=False))
     display.start()
     append(tmp_path / "logs" / "rank-0.log", "first\n" + "more\n" * 2999 + "partial")
-    time.sleep(0.3)  # the display takes the first lines, and blocks writing them
+    assert writing.wait(10)  # the display took the first lines, and blocks writing them
     started = time.monotonic()
     display.stop()
     assert time.monotonic() - started < 2

@@ -30,6 +30,8 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.tiny_recipes import write_recipe
+from tests.watchdog_clock import WatchdogClock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -163,7 +165,12 @@ def test_a_second_signal_stops_everything_at_once(tmp_path: Path) -> None:
         assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never slept"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGINT)
-    time.sleep(1)
+    # The launcher took the first one (it asks the ranks to stop): two signals sent before
+    # its handler runs would be taken as one.
+    deadline = time.monotonic() + 60
+    while not RunLayout(run_dir).stop_request.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the first SIGINT not taken"
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGINT)
     result = finish_train(proc, tmp_path, timeout=30)
     output = result.stdout + result.stderr
@@ -214,11 +221,14 @@ def test_rendezvous_listens_on_loopback_only_and_nothing_is_world_writable(
         assert not path.stat().st_mode & stat.S_IWOTH, path
 
 
-def test_the_watchdog_allows_startup_longer_and_restarts_start_over(tmp_path: Path) -> None:
+def test_the_watchdog_allows_startup_longer_and_restarts_start_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The watchdog on heartbeat files alone: a rank gets 3 timeouts until it has finished a
     step of its own (building, restoring, compiling), 1 after, and a new pid starts it over.
     A step of its own is one past the step its heartbeat says it started from, however many
     steps went by between two looks."""
+    clock = WatchdogClock(monkeypatch)
     (tmp_path / "telemetry").mkdir()
     beat = tmp_path / "telemetry" / "rank-0.beat"
     watchdog = Watchdog(tmp_path, range(1), timeout_s=0.4)
@@ -229,23 +239,24 @@ def test_the_watchdog_allows_startup_longer_and_restarts_start_over(tmp_path: Pa
 
     write(0, 1, 111, -1)  # building
     write(40, 2, 111, 40)  # restored at step 40: not a step of its own
-    time.sleep(0.6)
+    clock.sleep(0.6)
     assert watchdog.check() == []  # 0.6 s < 3 x 0.4 s: still starting up
     write(60, 9, 111, 40)  # twenty steps since the last look: one timeout applies now
-    time.sleep(0.6)
+    clock.sleep(0.6)
     [stall] = watchdog.check()
     assert (stall.rank, stall.step) == (0, 60)
     write(40, 1, 222, -1)  # restarted: another process, starting up again
-    time.sleep(0.6)
+    clock.sleep(0.6)
     assert watchdog.check() == []
 
 
 def test_after_a_stop_only_a_rank_in_a_step_of_known_length_gets_the_short_grace(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After Ctrl-C a rank has the grace (or 4 of its slowest steps) to finish the step it is
     in; one that is saving or evaluating, or whose step time is not known yet, is left to the
     stall timeout."""
+    clock = WatchdogClock(monkeypatch)
     (tmp_path / "telemetry").mkdir()
     beat = tmp_path / "telemetry" / "rank-0.beat"
     watchdog = Watchdog(tmp_path, range(1), timeout_s=100)
@@ -253,7 +264,7 @@ def test_after_a_stop_only_a_rank_in_a_step_of_known_length_gets_the_short_grace
     def write(step: int, busy: int = 0, pause: float = 0.03) -> None:
         beat.write_text(f"{step} {step + busy} 111 0 {busy}\n")
         assert watchdog.check() == []
-        time.sleep(pause)
+        clock.sleep(pause)
 
     write(1)
     write(2)
@@ -340,9 +351,9 @@ def test_a_hang_after_fast_steps_is_caught_in_one_stall_timeout(
     assert ended - hung_at < 1.2 * timeout + 1.5, ended - hung_at  # + stopping the ranks
 
 
-BAD_SAMPLE_RECIPE = """
+# The tiny recipe's model and loss on a dataset with one sample that cannot be read.
+BAD_SAMPLE_HOOKS = """
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 
 
@@ -356,22 +367,13 @@ class Samples(Dataset):
         return torch.ones(4) * i / 512, torch.zeros(1)
 
 
-def build_model():
-    return nn.Linear(4, 1)
-
-
 def build_dataset(split):
     return Samples()
-
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 """
 
 
 def test_an_error_in_a_dataloader_worker_shows_its_own_message_and_frame(tmp_path: Path) -> None:
-    (tmp_path / "bad_sample.py").write_text(BAD_SAMPLE_RECIPE)
+    write_recipe(tmp_path, BAD_SAMPLE_HOOKS, "bad_sample.py")
     spec = write_spec(
         tmp_path / "run.yaml",
         recipe={"source": "bad_sample.py", "dataset": {}},
@@ -437,8 +439,12 @@ def test_a_run_folder_deleted_mid_run_is_named_and_the_run_stops_with_a_checkpoi
     )
     run_dir = _new_run_dir(tmp_path / "runs" / "t")
     wait_for_step(run_dir, 0, 5, proc)
-    shutil.rmtree(run_dir)
+    # Gone at once, as an `rm -rf` looks to the run. An rmtree of the live folder races the
+    # ranks' writes into it ("Directory not empty"); the moved one is removed once they end.
+    deleted = tmp_path / "deleted"
+    run_dir.rename(deleted)
     result = finish_train(proc, tmp_path)
+    shutil.rmtree(deleted)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert f"the run folder {run_dir} was deleted or moved while the run ran" in output, output

@@ -16,17 +16,15 @@ import pytest
 
 from launcher.rundir.layout import RunLayout
 from tests.conftest import finish_train, start_train, wait_for_step, write_spec
+from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
 # build_model starts two `sleep 1000`: one in the worker's process group, one in a session of
 # its own (as a daemon would), and writes their pids to sleep-RANK.pids. STOP_FILE: it also
-# asks for a stop; BUILD_SLEEP: it then takes that many seconds more.
-RECIPE = """
+# asks for a stop; BUILD_SLEEP: it then takes that many seconds more. Hooks on the tiny recipe.
+HOOKS = """
 import os, subprocess, time
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 
 def build_model():
@@ -39,23 +37,17 @@ def build_model():
     if os.environ.get("STOP_FILE"):
         open(os.environ["STOP_FILE"], "w").close()
     time.sleep(float(os.environ.get("BUILD_SLEEP", "0")))
-    return nn.Linear(4, 1)
-
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(512, 4, generator=g), torch.randn(512, 1, generator=g))
+    return tiny.build_model()
 
 
 def loss(model, batch):
     time.sleep(0.05)
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    return tiny.loss(model, batch)
 """
 
 
 def _start(tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    (tmp_path / "sleepy.py").write_text(RECIPE)
+    write_recipe(tmp_path, HOOKS, "sleepy.py")
     spec = write_spec(
         tmp_path / "run.yaml",
         recipe={"source": "sleepy.py", "dataset": {}},
@@ -233,12 +225,10 @@ def test_a_stop_requested_while_the_ranks_start_ends_them_before_a_step(tmp_path
 
 
 # Starts a daemon when imported (a session of its own, as a server would) and forks a child,
-# in every process that imports it: the launcher, to check it, and each worker.
+# in every process that imports it: the launcher, to check it, and each worker. Then it is
+# the tiny recipe.
 IMPORT_STARTS = """
 import os, subprocess, time
-from torch import nn
-from torch.utils.data import TensorDataset
-import torch
 
 daemon = subprocess.Popen(
     ["sleep", "1000"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -251,19 +241,6 @@ if forked == 0:
     os._exit(0)
 with open(f"daemon-{os.getpid()}.pid", "w") as f:
     f.write(f"{daemon.pid} {forked}")
-
-
-def build_model():
-    return nn.Linear(4, 1)
-
-
-def build_dataset(split):
-    return TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 """
 
 
@@ -271,7 +248,7 @@ def loss(model, batch):
 def test_a_process_a_recipe_starts_when_imported_ends_with_the_command(
     tmp_path: Path, command: str
 ) -> None:
-    (tmp_path / "server.py").write_text(IMPORT_STARTS)
+    write_recipe(tmp_path, IMPORT_STARTS, "server.py")
     spec = write_spec(
         tmp_path / "run.yaml", recipe={"source": "server.py", "dataset": {}}, train={"max_steps": 2}
     )

@@ -15,6 +15,8 @@ import pytest
 from launcher.launch.watchdog import Stall, Watchdog, describe, where_in_stack
 from launcher.metrics.telemetry import Telemetry
 from tests.conftest import finish_train, start_train, write_spec
+from tests.tiny_recipes import write_recipe
+from tests.watchdog_clock import WatchdogClock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,7 +52,9 @@ def test_a_rank_waiting_for_its_loader_workers_is_named_so(tmp_path: Path) -> No
     assert where_in_stack(log)[1] is False
 
 
-def _beats_then_stop(folder: Path, evaluation: list[dict[str, bool]]) -> list[Stall]:
+def _beats_then_stop(
+    folder: Path, evaluation: list[dict[str, bool]], clock: WatchdogClock
+) -> list[Stall]:
     """A rank steps 5 times (a step's pace is known), then beats as `evaluation` says (the
     worker's `Telemetry.beat` arguments), then nothing for 0.7 s; a stop was asked 0.5 s
     ago."""
@@ -62,12 +66,12 @@ def _beats_then_stop(folder: Path, evaluation: list[dict[str, bool]]) -> list[St
     for count, busy in enumerate(beats, start=1):
         telemetry.beat(min(count, 5), **busy)
         assert watchdog.check() == []
-        time.sleep(0.7 if count == len(beats) else 0.03)
+        clock.sleep(0.7 if count == len(beats) else 0.03)
     return watchdog.check_after_stop(asked_s=0.5, grace_s=0.2)
 
 
 def test_after_a_stop_a_rank_evaluating_gets_the_grace_once_its_pace_is_known(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """0.5 s past a stop and 0.7 s without a beat is more than the grace (0.2 s) and 4 gaps
     of 0.03 s: a rank in an evaluation past its first batch (a beat after every batch) is
@@ -75,17 +79,18 @@ def test_after_a_stop_a_rank_evaluating_gets_the_grace_once_its_pace_is_known(
     timeout."""
     started = {"busy": True}  # as a save: workers start, XLA compiles
     batch = {"busy": True, "evaluating": True}
-    [stall] = _beats_then_stop(tmp_path / "batches", [started, batch, batch])
+    clock = WatchdogClock(monkeypatch)
+    [stall] = _beats_then_stop(tmp_path / "batches", [started, batch, batch], clock)
     assert (stall.rank, stall.step) == (0, 5)
-    assert _beats_then_stop(tmp_path / "first", [started]) == []
-    assert _beats_then_stop(tmp_path / "steps", []) != []  # in a step: as before
+    assert _beats_then_stop(tmp_path / "first", [started], clock) == []
+    assert _beats_then_stop(tmp_path / "steps", [], clock) != []  # in a step: as before
 
 
-RECIPE = """
+# The tiny recipe, whose val split hangs in rank 1's loader worker and whose steps are slow.
+HOOKS = """
 import os, time
 import torch
-from torch import nn
-from torch.utils.data import Dataset, TensorDataset, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
 
 class Val(Dataset):
@@ -102,20 +107,12 @@ class Val(Dataset):
 
 
 def build_dataset(split):
-    if split == "val":
-        return Val()
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(512, 4, generator=g), torch.randn(512, 1, generator=g))
-
-
-def build_model():
-    return nn.Linear(4, 1)
+    return Val() if split == "val" else tiny.build_dataset(split)
 
 
 def loss(model, batch):
     time.sleep(0.1)  # steps the watchdog sees one by one: it knows their pace
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    return tiny.loss(model, batch)
 """
 
 
@@ -123,7 +120,7 @@ def test_ctrl_c_stops_a_run_hung_on_a_loader_worker_in_an_evaluation(tmp_path: P
     """Rank 1's 4th evaluation batch never comes from its loader worker: the first Ctrl-C
     ends the run within the grace of an evaluation batch, not the stall timeout, and names
     what rank 1 waits for."""
-    (tmp_path / "hangs.py").write_text(RECIPE)
+    write_recipe(tmp_path, HOOKS, "hangs.py")
     spec = write_spec(
         tmp_path / "run.yaml",
         recipe={"source": "hangs.py", "dataset": {}},

@@ -17,6 +17,7 @@ from tests.conftest import (
     start_train,
     write_spec,
 )
+from tests.tiny_recipes import write_recipe
 
 # The launcher's own display: the same on every torch, so it runs in .venv only.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.launcher_only]
@@ -90,28 +91,17 @@ def test_a_flood_then_ctrl_c_shows_every_line(tmp_path: Path) -> None:
         _assert_shown_in_order(result.stdout, run, rank)
 
 
-HOSTILE = r"""
-import sys
-import torch
-from torch.utils.data import TensorDataset
-
+# The tiny recipe, whose build_model prints control bytes.
+HOSTILE_HOOKS = r"""
 def build_model():
     print("reset\x1bc shift\x0e bell\x07 tab\there del\x7f csi\x9b end")
     print("\x1b[31mred\x1b[0m and \x1b[2Jclear")
-    return torch.nn.Linear(2, 1)
-
-def build_dataset(split):
-    x = torch.ones(64, 2)
-    return TensorDataset(x, x.sum(1, keepdim=True))
-
-def loss(model, batch):
-    x, y = batch
-    return torch.nn.functional.mse_loss(model(x), y)
+    return tiny.build_model()
 """
 
 
 def test_control_bytes_are_escaped_on_the_display_and_kept_in_the_log(tmp_path: Path) -> None:
-    (tmp_path / "hostile.py").write_text(HOSTILE)
+    write_recipe(tmp_path, HOSTILE_HOOKS, "hostile.py")
     spec = write_spec(
         tmp_path / "run.yaml", recipe={"source": str(tmp_path / "hostile.py"), "dataset": {}}
     )

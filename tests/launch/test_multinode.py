@@ -20,6 +20,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -200,10 +201,8 @@ def test_node_0_names_the_endpoint_it_cannot_host(tmp_path: Path) -> None:
 @pytest.mark.launcher_only
 def test_bad_node_flags_are_named(tmp_path: Path, flags: list[str], expected: str) -> None:
     spec = write_spec(tmp_path / "run.yaml")
-    result = finish_train(
-        start_train(["--config", str(spec), *flags], cwd=tmp_path, env={"PJRT_DEVICE": "TPU"}),
-        tmp_path,
-        timeout=60,
+    result = train_in_fork(
+        ["--config", str(spec), *flags], tmp_path, env={"PJRT_DEVICE": "TPU"}, timeout=60
     )
     usage_error(result, expected)
     assert not (tmp_path / "runs").exists()

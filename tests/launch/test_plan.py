@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from launcher.checkpoint.selection import ResumeRequest, resume_point
+from launcher.clusters.nodes import Nodes
 from launcher.errors import UsageError
-from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.rundir.layout import CheckpointFiles, latest_complete
 from tests.conftest import bare_spec
@@ -21,9 +23,12 @@ def _checkpoint(run: Path, step: int, complete: bool = True) -> Path:
     path = run / "checkpoints" / f"step-{step:08d}"
     path.mkdir(parents=True)
     if complete:
-        CheckpointFiles(path).marker.write_text("")
-        # The metadata DCP writes, empty: the plan reads it to refuse corrupt checkpoints.
+        files = CheckpointFiles(path)
+        files.marker.write_text("")
+        # Whole, if empty: the plan checks a checkpoint it resumes before anything starts.
         (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+        files.meta.write_text(json.dumps({"world_size": 1}))
+        torch.save({}, files.rank_state(0))
     return path
 
 

@@ -10,24 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.devices import cpu_device_limit, resolve_devices
 from launcher.launch.plan import make_plan
-from tests.conftest import free_port, run_train, usage_error, write_spec
+from tests.conftest import bare_spec, free_port, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 TOO_MANY = 100_000
-
-
-def _spec(tmp_path: Path, devices: int | str) -> RunSpec:
-    return RunSpec.model_validate(
-        {
-            "run": {"name": "exp", "output_dir": str(tmp_path / "runs")},
-            "launch": {"accelerator": "cpu", "devices": devices},
-            "recipe": {"source": "r.py"},
-            "train": {"max_steps": 1},
-        }
-    )
 
 
 def test_the_cpu_limit_is_four_a_core_and_never_below_eight(tmp_path: Path) -> None:
@@ -62,7 +51,7 @@ def test_the_plan_names_where_the_count_came_from(
 ) -> None:
     sources = {"launch.devices": source} if source else {}
     with pytest.raises(UsageError) as refused:
-        make_plan(_spec(tmp_path, TOO_MANY), sources=sources)
+        make_plan(bare_spec(tmp_path, devices=TOO_MANY), sources=sources)
     assert refused.value.message.startswith(named), refused.value.message
     assert not (tmp_path / "runs").exists()
 
@@ -102,10 +91,12 @@ def _refused_before_anything_starts(
 @pytest.mark.timeout(60)
 def test_train_refuses_a_process_bomb_by_flag_and_by_key(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml")  # launch.devices: 2
-    result = run_train(["--config", str(spec), "--devices", str(TOO_MANY)], tmp_path, timeout=40)
+    result = train_in_fork(
+        ["--config", str(spec), "--devices", str(TOO_MANY)], tmp_path, timeout=40
+    )
     _refused_before_anything_starts(result, tmp_path, f"--devices {TOO_MANY}: ")
     spec = write_spec(tmp_path / "run.yaml", launch={"devices": TOO_MANY})
-    result = run_train(["--config", str(spec)], tmp_path, timeout=40)
+    result = train_in_fork(["--config", str(spec)], tmp_path, timeout=40)
     _refused_before_anything_starts(result, tmp_path, f"launch.devices: {TOO_MANY} ({spec}:")
 
 
@@ -118,6 +109,6 @@ def test_train_refuses_a_process_bomb_from_a_kubeflow_pod(tmp_path: Path) -> Non
     pod = {"PET_NNODES": "1", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": str(TOO_MANY)}
     pod |= {"PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port())}
     pod |= {"HOSTNAME": "demo-master-0"}
-    result = run_train(["--config", str(spec)], tmp_path, timeout=40, env=pod)
+    result = train_in_fork(["--config", str(spec)], tmp_path, timeout=40, env=pod)
     expected = f"PET_NPROC_PER_NODE={TOO_MANY} (Kubeflow PyTorchJob demo): "
     _refused_before_anything_starts(result, tmp_path, expected)

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher.clusters.nodes import Nodes
 from launcher.errors import UsageError
-from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.rundir.layout import RunLayout
@@ -27,6 +27,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,7 +88,7 @@ def test_of_several_nodes_only_node_0_holds_the_lock(tmp_path: Path) -> None:
 def test_a_run_dir_that_is_a_file_is_refused_as_such(tmp_path: Path) -> None:
     write_spec(tmp_path / "run.yaml")
     (tmp_path / "notes").write_text("a user's file")
-    result = run_train(["--config", "run.yaml", "--run-dir", "notes"], cwd=tmp_path, timeout=60)
+    result = train_in_fork(["--config", "run.yaml", "--run-dir", "notes"], tmp_path, timeout=60)
     usage_error(result, "--run-dir notes: is a file")
     assert "appeared while starting" not in result.stdout + result.stderr
     assert (tmp_path / "notes").read_text() == "a user's file"

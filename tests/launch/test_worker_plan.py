@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launcher.clusters.nodes import Nodes
 from launcher.config.spec import RunSpec
 from launcher.launch.agent import agent_config
-from launcher.launch.nodes import Nodes
 from launcher.launch.plan import make_plan
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.rundir.layout import RunLayout

@@ -27,6 +27,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +41,7 @@ from pathlib import Path
 import launcher.worker.sigterm
 from launcher.worker.sigterm import stop_on_outside_sigterm
 
-launcher.worker.sigterm.REPEAT_WINDOW_S = 1.0
+launcher.worker.sigterm.REPEAT_WINDOW_S = 3.0
 stop_on_outside_sigterm(Path(sys.argv[1]), os.getppid())
 forked = 0
 if sys.argv[2] == "fork":
@@ -73,8 +74,9 @@ for line in sys.stdin:
     elif what == "wait":
         print(os.waitstatus_to_exitcode(os.waitpid(int(pid), 0)[1]), flush=True)
 """
-# The dataset of the "loader" child: a class of a recipe file, which the worker imports.
-PID_RECIPE = """
+# The dataset of the "loader" child: a class of a recipe file, which the worker imports (its
+# model and loss, the tiny recipe's, are never called).
+PID_HOOKS = """
 import os, time
 from torch.utils.data import Dataset
 
@@ -89,18 +91,11 @@ class Pids(Dataset):
 
 def build_dataset(split):
     return Pids()
-
-def build_model():
-    pass
-
-def loss(model, batch):
-    pass
 """
 
 
 def _start_child(tmp_path: Path, kind: str = "-") -> tuple[subprocess.Popen[str], int]:
-    recipe = tmp_path / "pids_recipe.py"
-    recipe.write_text(PID_RECIPE)
+    recipe = write_recipe(tmp_path, PID_HOOKS, "pids_recipe.py")
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(tmp_path), kind, str(recipe)],
         stdin=subprocess.PIPE,
@@ -174,11 +169,14 @@ def test_sigterm_from_outside_asks_for_a_stop_and_a_second_one_ends_the_worker(
             f"SIGTERM from pid {sender} (not the launcher): "
             "finishing this step, saving and stopping"
         )
+        taken = time.monotonic()  # its repeat window started before it said so
         # At once again: the same request delivered twice (SLURM's preemption can), ignored.
+        # REPEAT_WINDOW_S is 3 s in CHILD: a loaded machine can take a second to start the
+        # process that sends it.
         _sigterm_from_a_third_process(proc.pid)
         time.sleep(0.5)
         assert proc.poll() is None
-        time.sleep(1.0)  # past REPEAT_WINDOW_S (1 s in CHILD): now it means "at once"
+        time.sleep(max(0.0, taken + 3.0 - time.monotonic()))  # past it: now it means "at once"
         _sigterm_from_a_third_process(proc.pid)
         assert proc.wait(timeout=10) == -signal.SIGTERM
     finally:

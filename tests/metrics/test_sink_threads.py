@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from launcher.metrics.sinks import BackgroundWriter, RunEnd
+from launcher.metrics.sink_types import RunEnd
+from launcher.metrics.sinks import BackgroundWriter
 
 pytestmark = [pytest.mark.launcher_only, pytest.mark.timeout(60)]
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from launcher.metrics.sinks import BackgroundWriter
-from launcher.metrics.tensorboard import TensorBoardSink, scalar_tags
 from launcher.metrics.tensorboard_events import (
     DamagedEventFile,
     EventWriter,
@@ -26,6 +25,7 @@ from launcher.metrics.tensorboard_events import (
     masked_crc32c,
     read_scalars,
 )
+from launcher.metrics.trackers.tensorboard import TensorBoardSink, scalar_tags
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import UnreadableFile
 from tests.conftest import only_run_dir, run_train, write_spec

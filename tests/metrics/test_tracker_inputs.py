@@ -15,11 +15,12 @@ import pytest
 
 from launcher.config.spec import RunSpec
 from launcher.metrics.progress import ProgressSink, read_progress
-from launcher.metrics.sinks import RunEnd
+from launcher.metrics.sink_types import RunEnd
 from launcher.metrics.trackers.records import TrackerRecords
 from launcher.rundir.layout import RunLayout
 from launcher.runs.catalog import describe_run
 from tests.conftest import run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.launcher_only
 
@@ -112,7 +113,7 @@ def test_a_wandb_dir_that_cannot_be_written_is_refused_before_launch(tmp_path: P
     spec = write_spec(tmp_path / "run.yaml", log={"trackers": ["wandb"]})
     env = {"WANDB_DIR": str(blocked / "wandb"), "WANDB_MODE": "offline"}
     for command in (["validate", "--config", str(spec)], ["--config", str(spec)]):
-        result = run_train(command, tmp_path, env=env)
+        result = train_in_fork(command, tmp_path, env=env)
         usage_error(result, f"WANDB_DIR={blocked / 'wandb'}", f"{blocked} is not a folder",
                     "or unset it")  # fmt: skip
     assert not (tmp_path / "runs").exists()

@@ -25,7 +25,7 @@ import pytest
 
 from launcher.config.spec import RunSpec
 from launcher.metrics.progress import read_progress
-from launcher.metrics.sinks import RunEnd
+from launcher.metrics.sink_types import RunEnd
 from launcher.metrics.trackers.mlflow_run import REQUEST_LIMITS, MlflowSink
 from launcher.metrics.trackers.records import TrackerRecords
 from launcher.rundir.layout import RunLayout
@@ -40,6 +40,7 @@ from tests.conftest import (
     usage_error,
     write_spec,
 )
+from tests.forked_train import train_in_fork
 from tests.metrics.mlflow_server import kill_server, mlflow_server_process
 from tests.metrics.mlflow_server import mlflow_server as running_mlflow_server
 from tests.metrics.test_tensorboard import read_scalars
@@ -181,8 +182,10 @@ def test_a_stopped_run_is_killed_in_mlflow_and_running_again_on_resume(
     )
     record = {"step": 1, "loss": 0.5, "time": time.time()}
     sink = MlflowSink(spec, tmp_path, TrackerRecords(tmp_path / "trackers.json"))
+    # As the sink's thread calls it: the writes are flushed before the end.
     sink.start()
     sink.write(record)
+    sink.flush()
     sink.end(RunEnd("stopped"))
     sink.close()
     client = MlflowClient(mlflow_server)
@@ -198,6 +201,7 @@ def test_a_stopped_run_is_killed_in_mlflow_and_running_again_on_resume(
     assert run.data.tags["resumed/train.max_steps"] == "9"
     again.write(record)  # step 1 again: sent before the stop
     again.write({**record, "step": 2})
+    again.flush()
     again.end(RunEnd("failed"))
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
     assert client.get_run(run_id).info.status == "FAILED"
@@ -222,24 +226,16 @@ def test_a_tracker_that_cannot_be_reached_warns_once_and_the_run_goes_on(
     assert not (run_dir / "tb").exists()  # `trackers` without tensorboard: none
 
 
-# `train` in an environment without wandb: None in sys.modules is Python's own way to say a
-# module cannot be imported (find_spec finds nothing, and `import wandb` fails).
-_WITHOUT_WANDB = """
-import sys
-sys.modules["wandb"] = None
-sys.argv = ["train", *sys.argv[1:]]
-from launcher.cli.app import main
-main()
-"""
+def _without_wandb() -> None:
+    """`train` in an environment without wandb: None in sys.modules is Python's own way to say
+    a module cannot be imported (find_spec finds nothing, and `import wandb` fails)."""
+    sys.modules["wandb"] = None  # type: ignore[assignment]
 
 
 def test_a_tracker_without_its_package_is_refused_before_launch(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", log={"trackers": ["tensorboard", "wandb"]})
     for command in (["--config", str(spec)], ["validate", "--config", str(spec)]):
-        result = subprocess.run(
-            [sys.executable, "-c", _WITHOUT_WANDB, *command], cwd=tmp_path, text=True,
-            capture_output=True, timeout=120,
-        )  # fmt: skip
+        result = train_in_fork(command, tmp_path, timeout=120, preexec_fn=_without_wandb)
         usage_error(result, "log.trackers: wandb needs the wandb package", "launcher[wandb]")
     assert not (tmp_path / "runs").exists()
 
@@ -376,6 +372,7 @@ def test_a_trackers_json_copied_from_another_run_starts_a_new_mlflow_run(
         sink = MlflowSink(spec, run_dir, TrackerRecords(run_dir / "trackers.json"))
         sink.start()
         sink.write(sent)
+        sink.flush()  # as the sink's thread does before the end
         sink.end(RunEnd("finished"))
         sink.close()
     err = capsys.readouterr().err

@@ -13,10 +13,13 @@ import torch
 from torch import nn
 
 from tests.conftest import metrics_of, only_run_dir, run_train, write_spec
+from tests.forked_train import train_in_fork
+from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
-BN_RECIPE = """
+# The tiny recipe's loss on a BatchNorm model and off-centre inputs.
+BN_HOOKS = """
 import os
 
 import torch
@@ -37,22 +40,16 @@ def build_dataset(split):
     return TensorDataset(x, x.sum(1, keepdim=True))
 
 
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-
-
 def evaluate(model, batch):
-    x, y = batch
     with open(os.environ["BN_OUT"] + "-" + os.environ["RANK"], "a") as f:
         norm = getattr(model, "module", model)[0]  # ddp wraps the model
         f.write(repr(float(norm.running_mean.sum())) + "\\n")
-    return {"loss": nn.functional.mse_loss(model(x), y)}
+    return {"loss": tiny.loss(model, batch)}
 """
 
 
 def _spec(tmp_path: Path, strategy: str = "fsdp", **train: object) -> Path:
-    (tmp_path / "bn.py").write_text(BN_RECIPE)
+    write_recipe(tmp_path, BN_HOOKS, "bn.py")
     return write_spec(
         tmp_path / "run.yaml",
         launch={"strategy": strategy},
@@ -111,7 +108,7 @@ def test_a_resumed_fsdp_run_evaluates_as_one_that_never_stopped(
     # The export holds those statistics: it scores what the run reported at its end.
     run = only_run_dir(parts / "runs")
     exported = tmp_path / "model.pt"
-    result = run_train(["export", str(run), "--out", str(exported)], cwd=parts)
+    result = train_in_fork(["export", str(run), "--out", str(exported)], cwd=parts)
     assert result.returncode == 0, result.stdout + result.stderr
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 1))
     model.load_state_dict(torch.load(exported, weights_only=True))

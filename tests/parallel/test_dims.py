@@ -17,6 +17,7 @@ from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 from launcher.parallel.dims import ParallelDims, resolve_dims
 from tests.conftest import REPO, metrics_of, run_train, usage_error
+from tests.forked_train import train_in_fork
 from tests.launch.test_multinode import finish_nodes, start_nodes
 
 pytestmark = pytest.mark.timeout(300)
@@ -128,7 +129,7 @@ def test_a_tensor_parallel_checkpoint_resumes_in_other_layouts_and_exports_whole
     # Export writes whole tensors from the 2-D layout: ddp's weights at step 20.
     for name in ("tp", "ddp"):
         out = folder / f"{name}.pt"
-        export = run_train(["export", str(folder / name), "--out", str(out)], folder)
+        export = train_in_fork(["export", str(folder / name), "--out", str(out)], folder)
         assert export.returncode == 0, export.stdout + export.stderr
     ours, theirs = torch.load(folder / "tp.pt"), torch.load(folder / "ddp.pt")
     assert ours.keys() == theirs.keys()
@@ -185,7 +186,7 @@ def test_a_layout_that_does_not_fit_the_world_is_refused_before_anything_starts(
     tmp_path: Path,
 ) -> None:
     spec = spec_file(tmp_path / "run.yaml", 4, "fsdp", parallel={"dp_replicate": 3})
-    usage_error(run_train(["--config", str(spec)], tmp_path), "parallel: dp_replicate 3")
+    usage_error(train_in_fork(["--config", str(spec)], tmp_path), "parallel: dp_replicate 3")
     assert not (tmp_path / "runs").exists()
 
 
@@ -198,7 +199,7 @@ def test_a_model_without_a_plan_is_refused_under_tp(tmp_path: Path) -> None:
         "parallel": {"tp": 2},
     }
     (tmp_path / "run.yaml").write_text(json.dumps(spec))
-    result = run_train(["validate", "--config", str(tmp_path / "run.yaml")], tmp_path)
+    result = train_in_fork(["validate", "--config", str(tmp_path / "run.yaml")], tmp_path)
     usage_error(result, "parallel.tp: 2", "parallelize(model, mesh)")
 
 

@@ -19,6 +19,7 @@ from launcher.parallel.precision import cpu_has_fast_bf16
 from launcher.parallel.shard_units import shard_units
 from launcher.parallel.sharded_init import MetaBuildFailed, build_on_meta
 from tests.conftest import REPO, metrics_of, only_run_dir, run_train, write_spec
+from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,11 +108,11 @@ def init_weights(model):
 """
 )
 
-# An init_weights() that does not write a buffer its constructor computes (rotary frequencies).
+# An init_weights() that does not write a buffer its constructor computes (rotary frequencies),
+# on the tiny recipe's data (8 features in and out) and loss.
 ROTARY = """
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 class Rotary(nn.Module):
     def __init__(self, dim=8):
@@ -131,18 +132,14 @@ def build_model():
     return Rotary()
 
 def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g))
-
-def loss(model, batch):
-    return nn.functional.mse_loss(model(batch[0]), batch[1])
+    return tiny.build_dataset(split, n_samples=64, width=8, out_width=8)
 """
 
-# A model whose constructor reads a weight's value, which the meta device does not hold.
+# A model whose constructor reads a weight's value, which the meta device does not hold; the
+# tiny recipe's data and loss.
 READS_A_WEIGHT = """
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 class Scaled(nn.Module):
     def __init__(self):
@@ -157,13 +154,6 @@ class Scaled(nn.Module):
 
 def build_model():
     return Scaled()
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
-
-def loss(model, batch):
-    return nn.functional.mse_loss(model(batch[0]), batch[1])
 """
 
 
@@ -266,7 +256,7 @@ def test_meta_init_from_the_recipes_init_weights_equals_a_plain_build(tmp_path: 
 
 
 def test_auto_builds_on_cpu_where_the_init_leaves_a_buffer_unset(tmp_path: Path) -> None:
-    (base := tmp_path / "rotary.py").write_text(ROTARY)
+    base = write_recipe(tmp_path, ROTARY, "rotary.py")
     auto = _run(tmp_path / "auto", base, "fsdp")
     line = "fsdp.init: auto: Rotary.init_weights() leaves freqs unset on the meta device"
     assert line in auto.output
@@ -279,7 +269,7 @@ def test_auto_builds_on_cpu_where_the_init_leaves_a_buffer_unset(tmp_path: Path)
 
 
 def test_auto_builds_on_cpu_a_model_the_meta_device_cannot_build(tmp_path: Path) -> None:
-    (base := tmp_path / "scaled.py").write_text(READS_A_WEIGHT)
+    base = write_recipe(tmp_path, READS_A_WEIGHT, "scaled.py")
     auto = _run(tmp_path / "auto", base, "fsdp")
     assert auto.returncode == 0, auto.output
     line = (

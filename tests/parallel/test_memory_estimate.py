@@ -18,7 +18,8 @@ from launcher.config.fsdp import FSDPSection
 from launcher.parallel.dims import ParallelDims
 from launcher.parallel.memory_estimate import Layout, MemoryEstimate, estimate_memory
 from launcher.parallel.memory_fit import fit_advice
-from tests.conftest import REPO, run_train, write_spec
+from tests.conftest import REPO, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,7 +145,7 @@ def test_validate_prints_the_estimate(tmp_path: Path) -> None:
         recipe=recipe,
         optim={"name": "AdamW", "lr": 1e-3},
     )
-    result = run_train(["validate", "--config", str(spec)], cwd=tmp_path, timeout=90)
+    result = train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("memory per device")]
     assert len(lines) == 1, result.stdout

@@ -40,9 +40,7 @@ def _spec(folder: Path, strategy: str, devices: int, **sections: dict) -> Path:
         "train": {"max_steps": STEPS, "log_every": 1},
         "checkpoint": {"every_n_steps": 10},
     }
-    for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
-    return write_spec(folder / "run.yaml", **base)
+    return write_spec(folder / "run.yaml", base, **sections)
 
 
 def _train(  # type: ignore[no-untyped-def]

@@ -11,7 +11,8 @@ import torch
 from recipes import mlp
 from tests.conftest import metrics_of
 from tests.parallel.test_xla import _spec, _summary, _train, needs_xla
-from tests.training.test_nonfinite import NAN_RECIPE
+from tests.tiny_recipes import tiny_recipe, write_recipe
+from tests.training.test_nonfinite import NAN_HOOKS
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.xla]
 N = 501  # batches of 8 per device: the last one holds 21 samples
@@ -58,17 +59,12 @@ def test_xla_evaluates_the_exact_mean_and_compiles_it_once(
 def test_a_nan_loss_on_xla(tmp_path: Path, policy: str) -> None:
     """The checks run inside XLA's step graph: `skip` drops steps 30-32 and goes on without a
     recompilation warning; `stop` ends the run, naming step 30 and the last finite save."""
-    recipe = tmp_path / "nan_recipe.py"
-    recipe.write_text(NAN_RECIPE)
+    recipe = write_recipe(tmp_path, NAN_HOOKS, "nan_recipe.py")
     spec = _spec(
         tmp_path,
         "xla",
         1,
-        recipe={
-            "source": str(recipe),
-            "model": {"first": 30, "last": 32, "bad_rank": 0},
-            "dataset": {},
-        },
+        recipe=tiny_recipe(recipe, model={"first": 30, "last": 32, "bad_rank": 0}, n_samples=4096),
         train={"max_steps": 40, "log_every": 5, "on_nonfinite": policy},
         checkpoint={"every_n_steps": 10, "keep_last": 1},
     )

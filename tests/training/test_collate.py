@@ -18,6 +18,7 @@ from launcher.worker.data import Collate, batch_size
 from launcher.worker.recipe import Recipe
 from recipes import varlen
 from tests.conftest import REPO, metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -163,7 +164,7 @@ def test_a_collated_stream_keeps_its_shares_and_resumes_exactly(tmp_path: Path) 
 
 def test_validate_runs_the_collate_and_the_loss_of_the_shipped_recipe(tmp_path: Path) -> None:
     config = REPO / "configs" / "varlen.yaml"
-    result = run_train(["validate", "--config", str(config)], cwd=tmp_path, timeout=90)
+    result = train_in_fork(["validate", "--config", str(config)], cwd=tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "model Regressor 9,505 parameters, 9,505 trainable" in result.stdout
     assert "train 2,048 samples (32 steps/epoch at 2 devices x 32)" in result.stdout
@@ -233,7 +234,7 @@ def test_validate_refuses_a_batch_the_loss_cannot_use(
     spec = write_spec(
         tmp_path / "run.yaml", recipe={"source": str(tmp_path / "broken.py"), "dataset": {}}
     )
-    result = run_train(["validate", "--config", str(spec)], cwd=tmp_path, timeout=90)
+    result = train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path, timeout=90)
     usage_error(result, *expected)
     assert "launcher/" not in result.stdout + result.stderr
 

@@ -15,31 +15,18 @@ import torch
 
 from recipes import mlp
 from tests.conftest import metrics_of, only_run_dir, run_train, tiny_gpt, write_spec
+from tests.forked_train import train_in_fork
+from tests.tiny_recipes import tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher_only]
 
-# Scores from a script, one per evaluation (max_batches: 1), the count kept in checkpoints.
+# Scores from a script, one per evaluation (max_batches: 1), the count kept in checkpoints:
+# hooks on the tiny recipe (64 samples).
 SCRIPTED = """
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 SCORES = [5.0, 1.0, 4.0, 2.0, 6.0, 0.5, 3.0, 7.0]
 evals = 0
-
-
-def build_model():
-    return nn.Linear(4, 1)
-
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
-
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 
 
 def evaluate(model, batch):
@@ -134,11 +121,10 @@ def test_early_stop_when_the_metric_plateaus(tmp_path: Path) -> None:
 
 
 def test_best_checkpoints_survive_pruning_and_resume(tmp_path: Path) -> None:
-    recipe = tmp_path / "scripted.py"
-    recipe.write_text(SCRIPTED)
+    recipe = write_recipe(tmp_path, SCRIPTED, "scripted.py")
     spec = write_spec(
         tmp_path / "run.yaml",
-        recipe={"source": str(recipe), "dataset": {}},
+        recipe=tiny_recipe(recipe, n_samples=64),
         train={"max_steps": 8, "log_every": 2},
         eval={"every_n_steps": 2, "max_batches": 1},
         checkpoint={"keep_last": 1, "monitor": "val/score", "keep_best": 2},
@@ -160,7 +146,7 @@ def test_best_checkpoints_survive_pruning_and_resume(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["best_checkpoint"], summary["best_score"]) == (str(best), 0.5)
 
-    exported = run_train(["export", str(run), "--best", "--out", "best.pt"], cwd=tmp_path)
+    exported = train_in_fork(["export", str(run), "--best", "--out", "best.pt"], tmp_path)
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert str(best) in exported.stdout + exported.stderr
 

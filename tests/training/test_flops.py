@@ -17,6 +17,7 @@ import torch
 from launcher.worker.flops import count_flops, describe, peak_flops
 from launcher.worker.recipe import load_recipe
 from tests.conftest import REPO, metrics_of, only_run_dir, run_train, write_spec
+from tests.tiny_recipes import tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,11 +97,12 @@ def test_a_resumed_run_keeps_its_checkpoints_count_for_the_same_shapes() -> None
     assert _count(recipe.build_model(), bigger, recipe, other) == 2 * counted
 
 
-COUNTING_RECIPE = """
+# Hooks on the tiny recipe (one hidden layer of 8, 64 samples): each build and loss call
+# leaves a mark in $MARKS.
+COUNTING_HOOKS = """
 import os
 from pathlib import Path
 
-import torch
 from torch import nn
 
 def _mark(what):
@@ -109,23 +111,18 @@ def _mark(what):
     with open(marks / f"{what}-{os.environ['RANK']}", "a") as f:
         f.write("x")
 
-def build_model():
+def build_model(hidden):
     _mark("build_model")
     print("building the model (once)")
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return tiny.build_model(hidden=hidden)
 
 def init_weights(model):  # fsdp builds it on meta and initialises each rank's shards
     for p in model.parameters():
         nn.init.normal_(p, std=0.1)
 
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
-
 def loss(model, batch):
     _mark("loss")
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    return tiny.loss(model, batch)
 """
 
 
@@ -134,11 +131,11 @@ def test_the_recipe_runs_as_often_as_documented_and_flops_are_counted(
     tmp_path: Path, strategy: str
 ) -> None:
     """build_model once per process (fsdp's meta build included), loss once per micro-batch."""
-    (tmp_path / "counting.py").write_text(COUNTING_RECIPE)
+    recipe = write_recipe(tmp_path, COUNTING_HOOKS, "counting.py")
     spec = write_spec(
         tmp_path / "run.yaml",
         launch={"strategy": strategy},
-        recipe={"source": str(tmp_path / "counting.py"), "dataset": {}},
+        recipe=tiny_recipe(recipe, model={"hidden": 8}, n_samples=64),
         train={"max_steps": 3, "log_every": 3, "grad_accum_steps": 2},
         checkpoint={"enabled": False},
     )

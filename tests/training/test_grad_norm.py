@@ -13,7 +13,7 @@ from torch import nn
 
 from launcher.parallel.base import gradient_norm
 from launcher.parallel.grad_norm import sharded_norm
-from tests.conftest import free_port
+from tests.conftest import end_without_teardown, free_port
 
 
 def _sharded_model_with_grads(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -71,6 +71,7 @@ def _worker(rank: int, port: int) -> None:
             torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor())
     finally:
         dist.destroy_process_group()
+    end_without_teardown()
 
 
 @pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from launcher.config.spec import RunSpec
 from launcher.parallel.ddp import DDPStrategy
 from launcher.worker.loop import Trainer
 from launcher.worker.recipe import load_recipe
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, end_without_teardown, free_port
 
 STEPS, ACCUM = 3, 4
 
@@ -60,6 +60,7 @@ def _worker(rank: int, port: int, run_dir: str, accum: int) -> None:
     # The mlp's few parameters fit in one bucket: one all-reduce per synced backward.
     if CountingDDP.calls != STEPS:
         raise AssertionError(f"rank {rank}: {CountingDDP.calls} all-reduces for {STEPS} steps")
+    end_without_teardown()  # DDP keeps the destroyed group and its threads
 
 
 @pytest.mark.timeout(120)

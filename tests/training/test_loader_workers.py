@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,7 +133,7 @@ def test_a_dataset_the_workers_cannot_be_sent_is_refused_in_one_line(tmp_path: P
         recipe={"source": "opened.py", "dataset": {}},
         data={"batch_size": 4, "num_workers": 2},
     )
-    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec)], cwd=tmp_path)
     usage_error(
         result,
         "error: data.worker_start: the train dataset (Opened) cannot be pickled for loader "

@@ -14,7 +14,8 @@ from launcher.config.spec import CheckpointSection, EarlyStopSection
 from launcher.errors import RunError, UsageError
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.worker.monitors import BestCheckpoints, EarlyStopping, improves
-from tests.conftest import run_train, usage_error, write_spec
+from tests.conftest import usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.launcher_only
 
@@ -100,4 +101,4 @@ def test_monitors_without_evaluations_are_refused(
     tmp_path: Path, overrides: list[str], message: str
 ) -> None:
     spec = write_spec(tmp_path / "run.yaml")
-    usage_error(run_train(["validate", "--config", str(spec), *overrides], cwd=tmp_path), message)
+    usage_error(train_in_fork(["validate", "--config", str(spec), *overrides], tmp_path), message)

@@ -14,15 +14,14 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import metrics_of, only_run_dir, run_train, write_spec
+from tests.tiny_recipes import tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher_only]
 
-# The loss of rank `bad_rank` is NaN at its optimizer steps `first`..`last` (1 micro-step each).
-NAN_RECIPE = """
+# Hooks on the tiny recipe: the loss of rank `bad_rank` is NaN at its optimizer steps
+# `first`..`last` (1 micro-step each).
+NAN_HOOKS = """
 import os
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 calls = 0
 WINDOW = {}
@@ -30,19 +29,13 @@ WINDOW = {}
 
 def build_model(first, last, bad_rank=1):
     WINDOW.update(first=first, last=last, here=int(os.environ["RANK"]) == bad_rank)
-    return nn.Linear(4, 1)
-
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(4096, 4, generator=g), torch.randn(4096, 1, generator=g))
+    return tiny.build_model()
 
 
 def loss(model, batch):
     global calls
     calls += 1
-    x, y = batch
-    value = nn.functional.mse_loss(model(x), y)
+    value = tiny.loss(model, batch)
     if WINDOW["here"] and WINDOW["first"] <= calls <= WINDOW["last"]:
         value = value * float("nan")
     return value
@@ -50,11 +43,10 @@ def loss(model, batch):
 
 
 def _spec(folder: Path, policy: str, last: int) -> Path:
-    recipe = folder / "nan_recipe.py"
-    recipe.write_text(NAN_RECIPE)
+    recipe = write_recipe(folder, NAN_HOOKS, "nan_recipe.py")
     return write_spec(
         folder / "run.yaml",
-        recipe={"source": str(recipe), "model": {"first": 30, "last": last}, "dataset": {}},
+        recipe=tiny_recipe(recipe, model={"first": 30, "last": last}, n_samples=4096),
         train={"max_steps": 60, "log_every": 5, "on_nonfinite": policy},
         checkpoint={"every_n_steps": 10, "keep_last": 1},
     )
@@ -111,35 +103,13 @@ def test_skip_stops_after_ten_skips_in_a_row(tmp_path: Path) -> None:
     assert f"train --resume {run / 'checkpoints' / 'step-00000030'} optim.lr=" in output
 
 
-DIVERGING_RECIPE = """
-import torch
-from torch import nn
-
-
-def build_model():
-    return nn.Linear(4, 1, bias=False)
-
-
-def build_dataset(split):
-    # Inputs of scale 0.1: SGD is stable below lr 100, and at lr 400 the loss grows 49-fold a
-    # step, to infinity near step 23.
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 4, generator=g) * 0.1
-    return torch.utils.data.TensorDataset(x, torch.randn(512, 1, generator=g) * 0.1)
-
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-"""
-
-
 @pytest.mark.timeout(300)
 def test_the_advice_after_a_stop_is_a_command_that_trains_on(tmp_path: Path) -> None:
-    (tmp_path / "diverging.py").write_text(DIVERGING_RECIPE)
+    # Inputs and targets of scale 0.1, no bias: SGD is stable below lr 100, and at lr 400 the
+    # loss grows 49-fold a step, to infinity near step 23.
     spec = write_spec(
         tmp_path / "run.yaml",
-        recipe={"source": str(tmp_path / "diverging.py"), "dataset": {}},
+        recipe=tiny_recipe(model={"bias": False}, scale=0.1),
         optim={"name": "SGD", "lr": 400},
         train={"max_steps": 40, "log_every": 1},
         checkpoint={"every_n_steps": 5},

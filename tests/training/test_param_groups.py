@@ -17,12 +17,15 @@ from launcher.errors import UsageError
 from launcher.worker.param_groups import group_parameters
 from launcher.worker.recipe import Recipe
 from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
+from tests.tiny_recipes import tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
 # A model whose `kept` and `decayed` get exactly zero gradients: AdamW moves them only by its
 # weight decay, so `kept` (weight_decay 0) must stay ones and `decayed` shrink by
 # (1 - lr * weight_decay) a step. `head` is in a group of lr 0; `frozen` needs no gradient.
+# The data and loss are the tiny recipe's (DATA).
 RECIPE = """
 import torch
 from torch import nn
@@ -42,15 +45,6 @@ class Net(nn.Module):
 
 def build_model():
     return Net()
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0 if split == "train" else 1)
-    x = torch.randn(256, 4, generator=g)
-    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 """
 HOOK = """
 def param_groups(model):
@@ -61,22 +55,19 @@ LR, DECAY, STEPS = 0.01, 0.5, 6
 GROUPS = [{"params": ["kept"], "weight_decay": 0.0}, {"params": ["head.*"], "lr": 0.0}]
 
 
+DATA = {"n_samples": 256, "target": "sum", "val_seed": 1}
+RUN = {
+    "optim": {"name": "AdamW", "lr": LR, "kwargs": {"weight_decay": DECAY}},
+    "train": {"max_steps": STEPS, "log_every": 1},
+    "checkpoint": {"every_n_steps": 2},
+}
+
+
 def _spec(folder: Path, recipe: str, strategy: str, **sections: dict) -> Path:
-    (folder / "grouped.py").write_text(recipe)
-    optim = {
-        "name": "AdamW",
-        "lr": LR,
-        "kwargs": {"weight_decay": DECAY},
-        **sections.pop("optim", {}),
-    }
+    grouped = write_recipe(folder, recipe, "grouped.py")
+    recipe_section = tiny_recipe(grouped, **DATA)
     return write_spec(
-        folder / "run.yaml",
-        launch={"strategy": strategy},
-        recipe={"source": str(folder / "grouped.py"), "dataset": {}},
-        optim=optim,
-        train={"max_steps": STEPS, "log_every": 1, **sections.pop("train", {})},
-        checkpoint={"every_n_steps": 2, **sections.pop("checkpoint", {})},
-        **sections,
+        folder / "run.yaml", RUN, launch={"strategy": strategy}, recipe=recipe_section, **sections
     )
 
 
@@ -176,17 +167,17 @@ def test_a_recipes_param_groups_and_a_dotted_optimizer(tmp_path: Path) -> None:
     assert torch.equal(last["kept"], torch.ones(8))
     assert last["decayed"].max() < 1
     # The hook and optim.groups together: one must go.
-    both = run_train(["--config", str(spec), f"optim.groups={json.dumps(GROUPS)}"], cwd=tmp_path)
+    both = train_in_fork(["--config", str(spec), f"optim.groups={json.dumps(GROUPS)}"], tmp_path)
     usage_error(both, "optim.groups", "param_groups(model)")
 
 
 def test_a_pattern_that_matches_nothing_names_close_names(tmp_path: Path) -> None:
     spec = _spec(tmp_path, RECIPE, "ddp", optim={"groups": [{"params": ["heads.*"], "lr": 0}]})
     expected = ("optim.groups: group 1's pattern 'heads.*' matches no parameter", "head.")
-    usage_error(run_train(["validate", "--config", str(spec)], cwd=tmp_path), *expected)
-    usage_error(run_train(["--config", str(spec)], cwd=tmp_path), *expected)
+    usage_error(train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path), *expected)
+    usage_error(train_in_fork(["--config", str(spec)], cwd=tmp_path), *expected)
     good = _spec(tmp_path, RECIPE, "ddp", optim={"groups": GROUPS})
-    checked = run_train(["validate", "--config", str(good)], cwd=tmp_path)
+    checked = train_in_fork(["validate", "--config", str(good)], cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "85 parameters, 65 trainable in 3 optimizer groups" in checked.stdout
 
@@ -198,8 +189,8 @@ def test_a_pattern_that_matches_only_frozen_parameters_is_refused(tmp_path: Path
         "optim.groups: group 1's pattern 'frozen.*' matches only frozen parameters",
         "frozen.weight, frozen.bias: requires_grad=False",
     )
-    usage_error(run_train(["validate", "--config", str(spec)], cwd=tmp_path), *expected)
-    usage_error(run_train(["--config", str(spec)], cwd=tmp_path), *expected)
+    usage_error(train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path), *expected)
+    usage_error(train_in_fork(["--config", str(spec)], cwd=tmp_path), *expected)
 
 
 @pytest.mark.parametrize(
@@ -232,7 +223,7 @@ def test_bad_optim_keys_are_refused_before_anything_starts(
     tmp_path: Path, optim: dict, expected: str
 ) -> None:
     spec = _spec(tmp_path, RECIPE, "ddp", optim=optim)
-    usage_error(run_train(["--config", str(spec)], cwd=tmp_path), expected)
+    usage_error(train_in_fork(["--config", str(spec)], cwd=tmp_path), expected)
 
 
 def test_the_average_follows_the_weights_by_its_decay() -> None:
@@ -259,7 +250,7 @@ def _check_export_of_the_average(
     """`train export --ema` writes the average, which the recipe's model loads strictly; a
     run without one is refused."""
     out = folder / "average.pt"
-    result = run_train(["export", str(run), "--ema", "--out", str(out)], cwd=folder)
+    result = train_in_fork(["export", str(run), "--ema", "--out", str(out)], cwd=folder)
     if saved is None:
         usage_error(result, "--ema: this checkpoint holds no average")
         return
@@ -351,20 +342,10 @@ def test_bad_group_selectors_are_refused(groups: list[dict], expected: str) -> N
 
 # Sequential with a LayerNorm: only `modules` can say which parameters are the norm's.
 NORMED = """
-import torch
 from torch import nn
 
 def build_model():
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(128, 4, generator=g)
-    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 """
 
 
@@ -374,10 +355,12 @@ def test_module_types_and_each_groups_logged_rate(tmp_path: Path) -> None:
     groups = [{"name": "norms", "modules": ["LayerNorm"], "weight_decay": 0.0, "lr": 0.01}]
     optim = {"lr": 0.001, "groups": groups, "warmup_steps": 2}
     spec = _spec(tmp_path, NORMED, "ddp", optim=optim, checkpoint={"enabled": False})
-    checked = run_train(["validate", "--config", str(spec)], cwd=tmp_path)
+    checked = train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path)
     assert "65 trainable in 2 optimizer groups" in checked.stdout, checked.stdout + checked.stderr
     misspelled = json.dumps([{**groups[0], "modules": ["LayerNrom"]}])
-    typo = run_train(["validate", "--config", str(spec), f"optim.groups={misspelled}"], tmp_path)
+    typo = train_in_fork(
+        ["validate", "--config", str(spec), f"optim.groups={misspelled}"], tmp_path
+    )
     usage_error(typo, "group 1's module type 'LayerNrom'", "close names: LayerNorm")
     result = run_train(["--config", str(spec)], cwd=tmp_path)
     out = result.stdout + result.stderr

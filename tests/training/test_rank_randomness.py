@@ -11,24 +11,17 @@ import pytest
 from launcher.parallel.dims import ParallelDims
 from launcher.parallel.rng import rank_seed
 from tests.conftest import only_run_dir, run_train, write_spec
+from tests.tiny_recipes import tiny_recipe, write_recipe
 
-# A model tensor parallelism can split, whose loss records what each process's torch, numpy
-# and `random` draw at each step (counted in the recipe's own state, which a resume restores).
-RECIPE = """
+# Hooks on the tiny recipe with a hidden layer (a model tensor parallelism can split): its loss
+# records what each process's torch, numpy and `random` draw at each step (counted in the
+# recipe's own state, which a resume restores).
+HOOKS = """
 import json, os, random
 import numpy as np
 import torch
-from torch import nn
 
 steps = 0
-
-def build_model():
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-def build_dataset(split):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(128, 4, generator=g)
-    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
 
 def parallelize(model, mesh):
     from torch.distributed.tensor.parallel import (
@@ -43,8 +36,7 @@ def loss(model, batch):
     path = os.path.join(os.environ["DRAWS"], f"rank-{os.environ['RANK']}.jsonl")
     with open(path, "a") as out:
         out.write(json.dumps({"step": steps, "drawn": drawn}) + "\\n")
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    return tiny.loss(model, batch)
 
 def state_dict():
     return {"steps": steps}
@@ -76,10 +68,10 @@ def _train(folder: Path, spec: Path, name: str, *args: str) -> dict[int, dict[in
 def test_data_parallel_ranks_draw_apart_and_tensor_parallel_partners_alike(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "draws.py").write_text(RECIPE)
+    recipe = write_recipe(tmp_path, HOOKS, "draws.py")
     spec = write_spec(
         tmp_path / "run.yaml",
-        recipe={"source": str(tmp_path / "draws.py"), "dataset": {}},
+        recipe=tiny_recipe(recipe, model={"hidden": 8}, n_samples=128, target="sum"),
         train={"max_steps": 4, "log_every": 1},
         checkpoint={"every_n_steps": 2},
     )

@@ -13,6 +13,7 @@ from torch.utils.data import IterableDataset
 
 from launcher.worker.stream import StreamFeed, StreamShare, shuffle_buffer
 from tests.conftest import run_train, write_spec
+from tests.tiny_recipes import write_recipe
 
 
 class ArrowExamplesIterable:
@@ -92,9 +93,9 @@ def test_resuming_a_shuffled_stream_from_its_state_says_its_buffer_starts_empty(
     assert "shuffle buffer" not in (_resumed_note(Stream(SHUFFLED), None) or "")
 
 
-RECIPE = """
+# A stream that looks like a shuffled Hugging Face one, under the tiny recipe's model and loss.
+STREAM_HOOKS = """
 import torch
-from torch import nn
 from torch.utils.data import IterableDataset
 
 
@@ -120,23 +121,14 @@ class Stream(IterableDataset):
         self.at = state["at"]
 
 
-def build_model():
-    return nn.Linear(4, 1)
-
-
 def build_dataset(split):
     return Stream()
-
-
-def loss(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 """
 
 
 @pytest.mark.timeout(240)
 def test_rank_0_says_it_once_when_the_run_resumes(tmp_path: Path) -> None:
-    (tmp_path / "shuffled.py").write_text(RECIPE)
+    write_recipe(tmp_path, STREAM_HOOKS, "shuffled.py")
     spec = write_spec(
         tmp_path / "run.yaml",
         recipe={"source": "shuffled.py", "dataset": {}},

@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
+from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
 # Item i is a function of i alone, so a reader that skips items computes nothing for them.
-# Every batch's ids are written down, by rank, to check which items each rank took.
-STREAM_RECIPE = """
+# Every batch's ids are written down, by rank, to check which items each rank took. The model
+# and the loss are the tiny recipe's.
+STREAM_HOOKS = """
 import os
 import torch
-from torch import nn
 from torch.utils.data import IterableDataset
 
 
@@ -55,10 +57,6 @@ class Resumable(Stream):
         self.next = state["next"]
 
 
-def build_model():
-    return nn.Linear(4, 1)
-
-
 def build_dataset(split, n=100000, stateful=False, val_n=40):
     if split == "val":
         return Stream(val_n, offset=10**7)
@@ -68,22 +66,19 @@ def build_dataset(split, n=100000, stateful=False, val_n=40):
 def loss(model, batch):
     with open(f"seen-rank{os.environ['RANK']}.txt", "a") as f:
         f.write(" ".join(map(str, batch["id"].tolist())) + "\\n")
-    return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    return tiny.loss(model, (batch["x"], batch["y"]))
 """
 
 
 def _spec(folder: Path, **sections: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    recipe = folder / "stream_recipe.py"
-    recipe.write_text(STREAM_RECIPE)
+    recipe = write_recipe(folder, STREAM_HOOKS, "stream_recipe.py")
     defaults = {
         "recipe": {"source": str(recipe), "dataset": {}},
         "data": {"batch_size": 4, "num_workers": 2},
         "train": {"max_steps": 12, "log_every": 1},
     }
-    for name, values in sections.items():
-        defaults[name] = {**defaults.get(name, {}), **values}
-    return write_spec(folder / "run.yaml", **defaults)
+    return write_spec(folder / "run.yaml", defaults, **sections)
 
 
 def _seen(folder: Path, rank: int) -> list[list[int]]:
@@ -197,13 +192,13 @@ def test_a_streamed_val_split_is_evaluated(tmp_path: Path) -> None:
 
 def test_a_streamed_val_split_needs_max_batches(tmp_path: Path) -> None:
     spec = _spec(tmp_path, train={"max_steps": 4}, eval={"every_n_steps": 2})
-    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec)], cwd=tmp_path)
     usage_error(result, "eval.max_batches")
 
 
 def test_a_stream_needs_max_steps(tmp_path: Path) -> None:
     spec = _spec(tmp_path, train={"max_steps": None, "max_epochs": 1})
-    result = run_train(["--config", str(spec)], cwd=tmp_path)
+    result = train_in_fork(["--config", str(spec)], cwd=tmp_path)
     usage_error(result, "train.max_steps")
 
 

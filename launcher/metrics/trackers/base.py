@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config.spec import RunSpec
-from launcher.metrics.sinks import PUSH_EVERY_S, RunEnd
-from launcher.metrics.telemetry import NOT_METRICS, is_number
+from launcher.metrics.record_fields import NOT_METRICS, is_number
+from launcher.metrics.sink_types import PUSH_EVERY_S, RunEnd
 from launcher.metrics.trackers.records import SentSteps, TrackerRecords
 from launcher.rundir.layout import RunLayout
 
@@ -55,6 +55,11 @@ class TrackerSink:
         self.records = records
         self.where = self.name  # until connected: then the server or folder
         self._sent = SentSteps({})  # until connected
+
+    @classmethod
+    def for_run(cls, spec: RunSpec, run_dir: Path, records: TrackerRecords) -> TrackerSink:
+        """The sink of this tracker for the run in `run_dir` (how the registry builds it)."""
+        return cls(spec, run_dir, records)
 
     def connect(self, earlier: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Opens the tracker's run: the one `earlier` (this tracker's trackers.json entry, of

@@ -10,7 +10,7 @@ import csv
 import io
 from typing import Any, TextIO
 
-from launcher.metrics.sinks import RunEnd
+from launcher.metrics.sink_types import RunEnd
 from launcher.metrics.trackers.base import TrackerSink
 from launcher.rundir.atomic import write_atomic
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from launcher.metrics.sinks import RunEnd, warn
+from launcher.metrics.sink_types import RunEnd, warn
 from launcher.metrics.trackers.base import TrackerSink, flat_params
 
 # MLflow's limits on one request (mlflow.utils.validation): params and metrics per batch, a

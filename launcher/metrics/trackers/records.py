@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from launcher.metrics.sinks import warn
+from launcher.metrics.sink_types import warn
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.reading import UnreadableJson, read_json
 

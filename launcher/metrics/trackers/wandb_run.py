@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from launcher.metrics.sinks import RunEnd, warn
+from launcher.errors import UsageError
+from launcher.metrics.sink_types import RunEnd, warn
 from launcher.metrics.trackers.base import TrackerSink
 from launcher.metrics.trackers.records import SentSteps
 
@@ -56,6 +57,17 @@ def unwritable(folder: Path) -> str | None:
     if not os.access(found, os.W_OK | os.X_OK):
         return f"{found} is not writable"
     return None
+
+
+def check_usable() -> None:
+    """Before launch (the registry's check): refuses a `WANDB_DIR` W&B cannot write in."""
+    wandb_dir = os.environ.get("WANDB_DIR")
+    if wandb_dir and (why := unwritable(Path(wandb_dir))) is not None:
+        raise UsageError(
+            f"WANDB_DIR={wandb_dir}: W&B cannot write there ({why})",
+            hint="Point WANDB_DIR at a folder you can write in, or unset it: W&B then "
+            "writes in the run folder (RUN_DIR/wandb/).",
+        )
 
 
 class WandbSink(TrackerSink):

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import yaml
 
-from launcher.launch.ranks import plain_number
+from launcher.plain_number import plain_number
 
 _METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/tpu-env"
 

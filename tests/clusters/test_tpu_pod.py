@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from launcher.clusters.tpu_pod import host_index
 from launcher.config.spec import RunSpec
 from launcher.launch.devices import Devices
 from launcher.launch.plan import LaunchPlan
-from launcher.launch.tpu_pod import host_index
 
 
 @pytest.mark.parametrize(

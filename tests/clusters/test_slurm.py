@@ -12,15 +12,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.errors import UsageError
-from launcher.launch.nodes import Nodes, resolve_nodes
-from launcher.launch.slurm import (
+from launcher.clusters.nodes import Nodes, resolve_nodes
+from launcher.clusters.slurm import (
     check_one_task_per_node,
     expand_hostlist,
     from_environment,
     sbatch_script,
 )
-from tests.conftest import REPO, finish_train, run_train, start_train, usage_error, write_spec
+from launcher.errors import UsageError
+from tests.conftest import REPO, finish_train, start_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,7 @@ def test_a_job_that_finishes_is_not_requeued(tmp_path: Path) -> None:
 
 def test_train_slurm_prints_the_script(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", run={"name": "gpt_ddp"})
-    result = run_train(
+    result = train_in_fork(
         [
             "slurm",
             "--config",
@@ -286,7 +287,7 @@ def test_a_value_that_would_break_out_of_its_sbatch_line_is_refused(
     --requeue and --signal were dropped) and run the rest of the line as a command."""
     spec = write_spec(tmp_path / "run.yaml")
     args = ["slurm", "--config", str(spec), "--nodes", "2", "--gpus-per-node", "1"]
-    result = run_train([*args, flag, value], cwd=tmp_path)
+    result = train_in_fork([*args, flag, value], cwd=tmp_path)
     usage_error(result, flag, "#SBATCH")
     assert "touch pwned\n" not in result.stdout
 

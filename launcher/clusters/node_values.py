@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
-from launcher.launch.ranks import plain_number
+from launcher.plain_number import plain_number
 
 
 def shown(label: str, text: str) -> str:

@@ -11,11 +11,11 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from launcher.clusters.node_values import parse_node_count, parse_node_rank, parse_port
 from launcher.config.spec import RUN_NAME_PATTERN
 from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
-from launcher.launch.node_values import parse_node_count, parse_node_rank, parse_port
-from launcher.launch.ranks import plain_number
+from launcher.plain_number import plain_number
 
 DEFAULT_PORT = 29500
 _BRACKET = re.compile(r"\[([^\]]+)\]")

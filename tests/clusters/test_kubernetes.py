@@ -14,22 +14,22 @@ import pytest
 import yaml
 
 from launcher.cli.run import with_operator_devices
+from launcher.clusters.k8s_manifest import job_name, manifest
+from launcher.clusters.kubernetes import from_environment
+from launcher.clusters.nodes import Nodes, resolve_nodes
 from launcher.config.loader import cli_layers, spec_from_layers
 from launcher.errors import UsageError
-from launcher.launch.k8s_manifest import job_name, manifest
-from launcher.launch.kubernetes import from_environment
-from launcher.launch.nodes import Nodes, resolve_nodes
+from tests.clusters.test_slurm import SRUN_ENV
 from tests.conftest import (
     REPO,
     finish_train,
     free_port,
     metrics_of,
-    run_train,
     start_train,
     wait_for_step,
     write_spec,
 )
-from tests.launch.test_slurm import SRUN_ENV
+from tests.forked_train import train_in_fork
 
 # What Kubeflow's training operator sets in the pods of a 4-pod PyTorchJob `gpt` (v1, and with
 # nprocPerNode: torchrun's PET_* as well, where WORLD_SIZE counts processes).
@@ -255,7 +255,7 @@ def test_train_k8s_prints_a_manifest_that_kubernetes_would_take(tmp_path: Path) 
     write_spec(tmp_path / "run.yaml", run={"name": "GPT_ddp.v2", "output_dir": local})
     args = ["k8s", "--config", "run.yaml", "--nodes", "4", "--gpus-per-node", "8"]
     overrides = ["optim.lr=0.1", f"run.output_dir={local}"]
-    result = run_train([*args, "--image", "ghcr.io/lab/train:1", *overrides], cwd=tmp_path)
+    result = train_in_fork([*args, "--image", "ghcr.io/lab/train:1", *overrides], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == manifest(
         "run.yaml", 4, 8, "ghcr.io/lab/train:1", "GPT_ddp.v2", extra_args=overrides
@@ -427,7 +427,7 @@ def test_the_operators_own_words_and_addresses_are_taken() -> None:
 @pytest.mark.timeout(60)
 def test_a_blank_skypilot_node_list_is_one_line_naming_it(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml")
-    result = run_train(
+    result = train_in_fork(
         ["--config", str(spec)], tmp_path, timeout=40, env={**SKYPILOT, "SKYPILOT_NODE_IPS": "\n"}
     )
     assert (result.returncode, result.stdout) == (2, ""), result.stderr

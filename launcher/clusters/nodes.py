@@ -1,6 +1,6 @@
 """Which nodes a run spans: `--nnodes`, `--node-rank`, `--rdzv-endpoint` and `--rdzv-id`, or
-the same four from a SLURM allocation or a Kubernetes pod (`launcher.launch.kubernetes`). Plain
-values, checked here, before anything starts."""
+the same four from a SLURM allocation (`slurm.py`) or a Kubernetes pod (`kubernetes.py`). Plain
+values, checked here, before anything starts: the launch plan takes the `Nodes` this returns."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from launcher.clusters import kubernetes, slurm
+from launcher.clusters.kubernetes import JobNodes
+from launcher.clusters.node_values import parse_node_count, parse_node_rank, port_number
 from launcher.errors import UsageError
-from launcher.launch import kubernetes, slurm
-from launcher.launch.kubernetes import JobNodes
-from launcher.launch.node_values import parse_node_count, parse_node_rank, port_number
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from launcher.clusters.k8s_manifest import manifest
+from launcher.clusters.slurm import sbatch_script
 from launcher.errors import UsageError
-from launcher.launch.k8s_manifest import manifest
-from launcher.launch.slurm import sbatch_script
-from tests.conftest import REPO, run_train, usage_error, write_spec
-from tests.launch.test_kubernetes import check_manifest
+from tests.clusters.test_kubernetes import check_manifest
+from tests.conftest import REPO, usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 # A second document, a key of the pod's, a comment's end and a shell's command: whatever a
 # value could break out into.
@@ -137,7 +138,9 @@ def test_train_k8s_refuses_the_issues_injection(tmp_path: Path) -> None:
     """The command of issue 39: a Pod smuggled in through --pvc."""
     pvc = f"data\n---\n{POD}\n#"
     args = ["k8s", "--config", str(REPO / "configs" / "quickstart.yaml"), "--nodes", "2"]
-    result = run_train([*args, "--gpus-per-node", "8", "--image", "img:1", "--pvc", pvc], tmp_path)
+    result = train_in_fork(
+        [*args, "--gpus-per-node", "8", "--image", "img:1", "--pvc", pvc], tmp_path
+    )
     usage_error(result, "--pvc 'data\\n---", "DNS-1123")
     assert result.stdout == ""
 
@@ -147,7 +150,7 @@ def test_train_k8s_leaves_the_specs_output_dir_out_of_the_manifest(tmp_path: Pat
     """The spec's output_dir is this machine's: the pods mount the volume at /runs."""
     write_spec(tmp_path / "run.yaml", run={"name": "gpt", "output_dir": f"/runs\n---\n{POD}"})
     args = ["k8s", "--config", "run.yaml", "--nodes", "2", "--gpus-per-node", "8"]
-    result = run_train([*args, "--image", "img:1"], tmp_path)
+    result = train_in_fork([*args, "--image", "img:1"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Pod" not in result.stdout
     check_manifest(list(yaml.safe_load_all(result.stdout)))
@@ -212,6 +215,6 @@ def test_train_slurm_refuses_an_override_across_lines(tmp_path: Path) -> None:
     script's command line cannot hold it."""
     spec = write_spec(tmp_path / "run.yaml", run={"name": "gpt", "output_dir": "runs"})
     args = ["slurm", "--config", str(spec), "--nodes", "2", "--gpus-per-node", "1"]
-    result = run_train([*args, "run.output_dir=runs\n#SBATCH --requeue=no"], tmp_path)
+    result = train_in_fork([*args, "run.output_dir=runs\n#SBATCH --requeue=no"], tmp_path)
     usage_error(result, "override 'run.output_dir=runs\\n#SBATCH", "batch script")
     assert result.stdout == ""

@@ -2,7 +2,7 @@
 
 Every pod (or SkyPilot node) runs the same `train --config x.yaml`; the node count, this node's
 rank, the rendezvous host and the job's name come from what the operator put into the pod's
-environment, as SLURM's come from srun's (`launcher.launch.slurm`):
+environment, as SLURM's come from srun's (`slurm.py`):
 
 - Kubeflow PyTorchJob and TrainJob: torchrun's `PET_NNODES`, `PET_NODE_RANK`,
   `PET_MASTER_ADDR`, `PET_MASTER_PORT` (and `PET_NPROC_PER_NODE`), else PyTorchJob v1's
@@ -23,10 +23,10 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from launcher.clusters.node_values import parse_node_count, parse_port
 from launcher.config.yaml_file import echo
 from launcher.errors import UsageError
-from launcher.launch.node_values import parse_node_count, parse_port
-from launcher.launch.ranks import plain_number
+from launcher.plain_number import plain_number
 
 DEFAULT_PORT = 29500  # JobSets and SkyPilot give no port: torchrun's usual one
 NPROC_PER_NODE = "PET_NPROC_PER_NODE"  # torchrun's processes per node, where a job sets it

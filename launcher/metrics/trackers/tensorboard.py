@@ -1,7 +1,8 @@
-"""Rank 0's TensorBoard event files (`log.trackers: [tensorboard]`): one sink of `launcher.metrics.sinks`,
-whose background writer calls it, so a slow or failing disk never holds up or fails a step.
-The folder and its file appear with the first record (after metrics.jsonl has it), so an
-attempt that never trained leaves no `tb/` behind.
+"""The `tensorboard` tracker (on by default): rank 0's TensorBoard event files in `<run dir>/tb/`,
+a sink of `launcher.metrics.sinks`, whose background writer calls it, so a slow or failing
+disk never holds up or fails a step. The folder and its file appear with the first record
+(after metrics.jsonl has it), so an attempt that never trained leaves no `tb/` behind.
+TensorBoard keeps no run id and no status, so it needs nothing of trackers.json (`TrackerSink`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.metrics.telemetry import NOT_METRICS, is_number
+from launcher.metrics.record_fields import NOT_METRICS, is_number
 from launcher.metrics.tensorboard_events import EventWriter
+from launcher.rundir.layout import RunLayout
 
 if TYPE_CHECKING:
-    from launcher.metrics.sinks import RunEnd
+    from launcher.config.spec import RunSpec
+    from launcher.metrics.sink_types import RunEnd
+    from launcher.metrics.trackers.records import TrackerRecords
 
 # An evaluation's own timing goes with its metrics, not under train/.
 _RENAMED = {"eval_s": "val/eval_s"}
@@ -34,7 +38,7 @@ def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """A metrics sink (`launcher.metrics.sinks.Sink`): TensorBoard's scalars, one event file
+    """A metrics sink (`launcher.metrics.sink_types.Sink`): TensorBoard's scalars, one event file
     per run attempt. The folder and its file appear with the first record."""
 
     name = "tensorboard"
@@ -48,6 +52,11 @@ class TensorBoardSink:
         self.where = str(directory)
         self._open = writer
         self._writer: EventWriter | None = None
+
+    @classmethod
+    def for_run(cls, spec: RunSpec, run_dir: Path, records: TrackerRecords) -> TensorBoardSink:
+        """The sink for the run in `run_dir` (how the registry builds it)."""
+        return cls(RunLayout(run_dir).tensorboard_dir)
 
     def start(self) -> None:
         pass  # its file appears with the first record

@@ -2,7 +2,7 @@
 JobSet, with the run folder on a ReadWriteMany volume (`train k8s`).
 
 Each pod runs the same `train --config ... --resume latest`; the node count, its rank and the
-rendezvous come from the operator's environment (`launcher.launch.kubernetes`), and the job's
+rendezvous come from the operator's environment (`kubernetes.py`), and the job's
 name names the run folder, so a restarted pod (or a restarted JobSet) continues the run. The
 volume is mounted at `/runs` in every pod and the run writes there (`run.output_dir=/runs`):
 the spec's own `output_dir` is a path of the machine that wrote the manifest.

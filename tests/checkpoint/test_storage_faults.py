@@ -32,7 +32,9 @@ pytestmark = pytest.mark.timeout(300)
 # another program would), `metrics-full` (rank 0's metrics.jsonl hits a full disk) or `torn-error-file`/`empty-error-file` (rank 1 dies while writing
 # its elastic error file). The tiny recipe's data, with a bigger model.
 STORAGE_HOOKS = """
+import glob
 import os
+import time
 from torch import nn
 
 calls = 0
@@ -57,10 +59,21 @@ def fill_disk(path):
     os.truncate(path, os.path.getsize(path) - int(os.environ.get("FILL_LEAVE_KB", "256")) * 1024)
 
 
+def after_a_complete_checkpoint(disk):
+    # An async save of step 10 may still be writing at step 15: the disk fills once a
+    # checkpoint is published, as the test means it to, however fast the steps are.
+    deadline = time.monotonic() + 60
+    pattern = os.path.join(disk, "runs", "*", "*", "checkpoints", "*", "COMPLETE")
+    while not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def loss(model, batch):
     global calls
     calls += 1
     if calls == AT and FAULT == "fill" and os.environ["RANK"] == "0":
+        if os.environ.get("FILL_AFTER_A_CHECKPOINT"):
+            after_a_complete_checkpoint(os.path.dirname(os.environ["FILL_FILE"]))
         fill_disk(os.environ["FILL_FILE"])
     if calls == AT and FAULT == "metrics-full" and os.environ["RANK"] == "0":
         full = os.open("/dev/full", os.O_WRONLY)  # every write to it: ENOSPC
@@ -220,6 +233,7 @@ def test_a_disk_that_fills_up_during_a_save(tmp_path: Path, use_async: bool) -> 
     disk.mkdir()
     _spec(tmp_path, disk / "runs", **{"async": use_async})
     env = {"DISK": str(disk), "FILL_FILE": str(disk / "filler"), "FAULT_AT": "15"}
+    env["FILL_AFTER_A_CHECKPOINT"] = "1"  # step 10's save (async: still running at step 15)
     _in_namespace(_ON_SMALL_DISK, tmp_path, env)
     full = (tmp_path / "full.out").read_text()
     assert (tmp_path / "full.rc").read_text().strip() == "1", full

@@ -3,22 +3,27 @@
     python bench/checkpoint_blocking.py
     python bench/checkpoint_blocking.py --gpu    # one GPU: the 86M GPT, block 1024, bf16
     python bench/checkpoint_blocking.py --smoke  # a few tiny saves, to see it runs
+    python bench/checkpoint_blocking.py --store  # also to S3 on loopback (moto), side by side
 
 Trains the gpt recipe (about 5M parameters, ~60 MB of model and AdamW state) on 2 CPU
 processes with a checkpoint every 10 steps, once with each mode, and reads the time each
-save kept rank 0 from training (RUN_DIR/summary.json, `checkpoint_blocked_s`). The last save,
-at the end of the run, waits for its write in both modes and is left out.
+save kept rank 0 from training (RUN_DIR/summary.json, `checkpoint_blocked_s`) and how long it
+took to be written and published (`checkpoint_written_s`: for async, the background upload).
+The last save, at the end of the run, waits for its write in both modes and is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,8 +58,8 @@ SMOKE = [
 ]
 
 
-def run(mode_async: bool, folder: Path, extra: list[str]) -> dict:
-    run_dir = folder / ("async" if mode_async else "sync")
+def run(mode_async: bool, folder: Path, extra: list[str], env: dict | None = None) -> dict:
+    run_dir = folder / (("async" if mode_async else "sync") + ("-s3" if env else ""))
     cmd = [
         str(TRAIN),
         *ARGS,
@@ -63,12 +68,17 @@ def run(mode_async: bool, folder: Path, extra: list[str]) -> dict:
         "--run-dir",
         str(run_dir),
     ]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    store = ["checkpoint.dir=s3://bench/{run}"] if env else []
+    done = subprocess.run(
+        cmd + store, cwd=REPO, capture_output=True, text=True, timeout=900, env=env
+    )
     (folder / f"{run_dir.name}.log").write_text(done.stdout + done.stderr)
     done.check_returncode()
     summary = json.loads((run_dir / "summary.json").read_text())
     blocked = summary["checkpoint_blocked_s"][:-1]  # the final save always waits
+    written = summary["checkpoint_written_s"][:-1]
     return {
+        "written_ms_median": 1000 * statistics.median(written),
         "saves": len(blocked),
         "blocked_ms_median": 1000 * statistics.median(blocked),
         "blocked_ms_max": 1000 * max(blocked),
@@ -83,21 +93,52 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/checkpoint_blocking.json")
     parser.add_argument("--gpu", action="store_true", help="one GPU, the 86M GPT")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT, 2 saves")
+    parser.add_argument("--store", action="store_true", help="also to S3 on loopback (moto)")
     args = parser.parse_args()
     extra = GPU if args.gpu else SMOKE if args.smoke else []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _s3(args.store) as env:
         results = {"sync": run(False, Path(tmp), extra), "async": run(True, Path(tmp), extra)}
+        if env:  # the same runs, with the store's right after the disk's
+            results |= {"sync-s3": run(False, Path(tmp), extra, env)}
+            results |= {"async-s3": run(True, Path(tmp), extra, env)}
     ratio = results["async"]["blocked_ms_median"] / results["sync"]["blocked_ms_median"]
-    print("| mode | saves | blocked ms (median) | blocked ms (max) | step ms (median) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| where, mode | saves | blocked ms (median) | blocked ms (max) | written ms (median) "
+          "| step ms (median) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
     for mode, r in results.items():
         print(
             f"| {mode} | {r['saves']} | {r['blocked_ms_median']:.1f} | {r['blocked_ms_max']:.1f} "
-            f"| {r['step_ms_median']:.1f} |"
+            f"| {r['written_ms_median']:.1f} | {r['step_ms_median']:.1f} |"
         )
     print(f"\nasync blocks {100 * ratio:.1f}% of the sync time (target: under 10%)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**results, "async_over_sync": ratio}, indent=1))
+
+
+@contextlib.contextmanager
+def _s3(wanted: bool) -> Iterator[dict | None]:
+    """moto's S3 server on loopback with a bucket `bench`, and the environment that reaches
+    it; None where not wanted."""
+    if not wanted:
+        yield None
+        return
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
+    env |= {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="bench",
+                 aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="bench")  # fmt: skip
+    try:
+        yield env
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ for script in "$deps"/bin/*; do
     name=$(basename "$script")
     target="$bin/$name"
     case $name in python* | pip* | activate* | Activate.ps1) continue ;; esac
+    [ -f "$script" ] || continue # a folder: __pycache__ of a script installed as a .py (jp.py)
     if [ -e "$target" ] || [ -L "$target" ]; then
         ours=$([ -L "$target" ] && readlink "$target" || sed -n 2p "$target")
         case $ours in "$deps/bin/"* | "$marker "*) ;; *) continue ;; esac  # the venv's own

@@ -1,20 +1,20 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) folders, published atomically.
+"""Checkpoints: torch.distributed.checkpoint (DCP) folders, published whole or not at all.
 
-Layout: RUN_DIR/checkpoints/step-00000100/ holds DCP's files (model, optimizer, precision
-state, each rank writing its own part), `rank-N.pt` (each rank's RNG and loop state),
-`meta.json` (progress, scheduler and the spec, as JSON) and a `COMPLETE` marker.
+Layout: RUN_DIR/checkpoints/step-00000100/ (or `checkpoint.dir`'s store) holds DCP's files
+(model, optimizer, precision state, each rank writing its own part), `rank-N.pt` (each rank's
+RNG and loop state), `meta.json` (progress, scheduler and the spec, as JSON) and a `COMPLETE`
+marker.
 
-A checkpoint is written under a hidden `.step-N.partial` name and renamed into place by rank 0
-only once every rank has finished writing, so a crash at any moment of a save never leaves a
-folder that looks complete. Old checkpoints are pruned only after a new one is published.
+Rank 0 publishes a checkpoint only once every rank has finished writing (how, on a disk and on
+an object store: `launcher.checkpoint.store`), so a crash at any moment of a save never leaves
+a folder that looks complete. Old checkpoints are pruned only after a new one is published.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
-import os
-import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from launcher.checkpoint.catalog import catalog_of, step_of
 from launcher.checkpoint.format import (
     check_matches,
     loaded_keys,
@@ -31,13 +32,14 @@ from launcher.checkpoint.format import (
     saved_with,
     weights_only_planner,
 )
-from launcher.checkpoint.pruning import prune
-from launcher.checkpoint.save_failure import explained_writes, failing_save, file_writer
+from launcher.checkpoint.save_failure import failing_save
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
-from launcher.errors import RunError
+from launcher.checkpoint.store import reader, store_for, torch_bytes
 from launcher.parallel.base import Strategy, local_shard
-from launcher.rundir.layout import CheckpointFiles, RunLayout
+from launcher.rundir.layout import CheckpointFiles
+from launcher.rundir.reading import open_file
+from launcher.storage_url import is_remote
 
 # A background save still writing when the next one starts, for longer than this, is worth
 # a warning: shorter waits are noise next to a step.
@@ -47,9 +49,10 @@ SLOW_WRITE_S = 0.05
 @dataclass
 class _Pending:
     step: int
-    staging: Path
+    staging: Any
     meta: dict[str, Any]
     future: Any
+    started: float  # perf_counter() when the save began
 
 
 class Checkpointer:
@@ -73,9 +76,16 @@ class Checkpointer:
         keep_last: int | None = None,
         use_async: bool = False,
     ) -> None:
-        check_shared_run_dir(strategy, run_dir)  # before the first save, not at it
+        self.catalog = catalog_of(run_dir)
+        self.store = store_for(self.catalog)
+        if not is_remote(self.catalog.root):  # a store is every node's: no folder to share
+            check_shared_run_dir(strategy, run_dir)  # before the first save, not at it
         self.strategy = strategy
-        self.layout = RunLayout(run_dir)
+        self.run_dir = run_dir
+        self.protected: set[int] = set()  # steps never pruned: the one this attempt resumed from
+        # Each save's seconds from its start to its publication (rank 0): the write itself,
+        # in the background for async saves (summary.json's `checkpoint_written_s`).
+        self.write_times: list[float] = []
         self.model = model  # DCP: each rank writes its shards
         self.train = train  # meta.json (rank 0) and rank-N.pt (each rank)
         self.keep_last = keep_last
@@ -95,35 +105,36 @@ class Checkpointer:
         meta = {**self.train.state_dict(), "step": step, "time": time.time()}
         state = self.model.state_dict()
         self._wait_for_previous(step)
-        staging = self.layout.staging(step)
-        with failing_save(self.layout, step):
+        started = time.perf_counter()
+        staging = self.store.where(step)
+        with failing_save(self.store, step, self.run_dir):
             if self.strategy.is_main:
-                shutil.rmtree(staging, ignore_errors=True)  # left by a crash; never published
-                staging.mkdir(parents=True)
+                self.store.prepare(staging)
             self.strategy.barrier()
-            _save_synced(rank_state, CheckpointFiles(staging).rank_state(self.strategy.rank))
+            rank_file = CheckpointFiles(staging).rank_state(self.strategy.rank)
+            self.store.write_file(rank_file, torch_bytes(rank_state))
+            # The store's own writer, and no checkpoint_id: DCP would build a writer anew
+            # from it, without the store's options.
             if self.use_async:
                 module = getattr(self.model, "model", None)
                 state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}
                 response = dcp.async_save(
                     state,
-                    checkpoint_id=staging,
-                    storage_writer=file_writer(staging),
+                    storage_writer=self.store.writer(staging),
                     process_group=self._group,
                     **({"async_stager": self._stager} if self._stager else {}),
                 )
                 future = getattr(response, "upload_completion", response)
                 self._staging = getattr(response, "staging_completion", None)
-                self._pending = _Pending(step, staging, meta, future)
+                self._pending = _Pending(step, staging, meta, future, started)
                 return
             with _quiet_dcp():
                 dcp.save(
                     state,
-                    checkpoint_id=staging,
-                    storage_writer=file_writer(staging),
+                    storage_writer=self.store.writer(staging),
                     planner=self.strategy.save_planner(),
                 )
-            self._publish(staging, self.layout.checkpoint(step), meta)
+            self._publish(staging, step, meta, started)
         self.strategy.barrier()
 
     def _wait_for_previous(self, step: int) -> None:
@@ -144,9 +155,12 @@ class Checkpointer:
             flush=True,
         )
 
-    def load(self, path: Path) -> bool:
-        """Collective: restores every state from the checkpoint at `path`. Returns whether this
-        rank's own streams continue (False: saved with another world size)."""
+    def load(self, path: Any) -> bool:
+        """Collective: restores every state from the checkpoint at `path` (a folder or a URL).
+        Returns whether this rank's own streams continue (False: saved with another world
+        size). A checkpoint of this run's own catalogue is never pruned by this attempt."""
+        if path in self.catalog.complete():
+            self.protected.add(step_of(path) or 0)
         state = self.model.state_dict()
         if "ema" in state and not saved_with(path, "ema."):
             del state["ema"]  # train.ema is new: the average starts from the loaded weights
@@ -188,24 +202,20 @@ class Checkpointer:
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
         assert pending is not None
-        with failing_save(self.layout, pending.step):
+        with failing_save(self.store, pending.step, self.run_dir):
             pending.future.result()  # a failed write raises here, on the training thread
-            # Rank 0's write ends with DCP gathering every rank's results, so all are on disk.
-            self._publish(pending.staging, self.layout.checkpoint(pending.step), pending.meta)
+            # Rank 0's write ends with DCP gathering every rank's results, so all are written.
+            self._publish(pending.staging, pending.step, pending.meta, pending.started)
 
-    def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+    def _publish(self, staging: Any, step: int, meta: dict[str, Any], started: float) -> None:
         if not self.strategy.is_main:
             return
-        files = CheckpointFiles(staging)
-        _write_synced(files.meta, json.dumps(meta))
-        _write_synced(files.marker, "")
-        if final.exists():  # never replace a published checkpoint (the plan prevents this)
-            raise RunError(f"{final} already exists; not overwriting it")
-        os.replace(staging, final)
-        _fsync_dir(final.parent)
+        self.store.publish(staging, step, json.dumps(meta))
+        self.write_times.append(time.perf_counter() - started)
         # The best checkpoints as of this one are kept whatever their age.
         best = [step for step, _ in (meta.get("best") or {}).get("kept", [])]
-        prune(self.layout, self.keep_last, protected=best)
+        for old in self.catalog.prunable(self.keep_last, protected={*best, *self.protected}):
+            self.store.remove(old)
 
 
 def snapshot_buffers(model_state: dict[str, Any], model: torch.nn.Module | None) -> dict[str, Any]:
@@ -224,7 +234,7 @@ def _address(tensor: torch.Tensor) -> int:
     return local_shard(tensor).data_ptr()
 
 
-def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any] | None:
+def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any] | None:
     """Collective: fills `state` in place, never unpickling arbitrary code.
 
     Returns this rank's own saved state (RNG, loop), or None when the checkpoint was saved
@@ -243,12 +253,16 @@ def load(path: Path, state: dict[str, Any], strategy: Strategy) -> dict[str, Any
     flat = loaded_keys(flat)
     with _quiet_dcp():
         planner = strategy.load_planner() or weights_only_planner()
-        dcp.load(flat, checkpoint_id=path, planner=planner)
+        source = reader(path)  # a store's; DCP picks its own for a folder
+        dcp.load(
+            flat, checkpoint_id=None if source else path, storage_reader=source, planner=planner
+        )
     for key, value in flat.items():  # tensors were filled in place; plain values replaced
         set_element(state, mapping[key], value)
     if not same_data_ranks(read_meta(path), strategy):
         return None
-    return torch.load(CheckpointFiles(path).rank_state(strategy.rank), weights_only=True)
+    with open_file(CheckpointFiles(path).rank_state(strategy.rank)) as file:
+        return torch.load(io.BytesIO(file.read()), weights_only=True)
 
 
 def same_data_ranks(meta: dict[str, Any], strategy: Strategy) -> bool:
@@ -320,25 +334,3 @@ def _release_buffers(stager: Any) -> None:
     release = getattr(getattr(stager, "_state_dict_stager", None), "release", None)
     if release is not None:
         release()
-
-
-def _save_synced(obj: Any, path: Path) -> None:
-    with explained_writes(path), open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with explained_writes(path), open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from launcher.checkpoint.catalog import catalog_of, run_of
 from launcher.checkpoint.format import damage
 from launcher.errors import UsageError
-from launcher.rundir.layout import RunLayout, run_of
 
 
 def refuse_damaged(
@@ -27,7 +27,7 @@ def refuse_damaged(
 
 def newest_intact(run_dir: Path, excluding: Path | None = None) -> Path | None:
     """The newest complete checkpoint of a run folder that is not damaged (other than `excluding`)."""
-    for checkpoint in reversed(RunLayout(run_dir).complete_checkpoints()):
+    for checkpoint in reversed(catalog_of(run_dir).complete()):
         if checkpoint != excluding and damage(checkpoint) is None:
             return checkpoint
     return None
@@ -38,7 +38,7 @@ def _what_to_resume_instead(damaged: Path) -> str:
     intact = newest_intact(run, excluding=damaged) if run else None
     if intact is None:
         return "Its run has no intact checkpoint to resume instead; start anew without --resume."
-    if run and intact == RunLayout(run).latest_complete():
+    if run and intact == catalog_of(run).latest():
         return f"The newest intact checkpoint is {intact}: continue with --resume {intact}"
     # Continuing in place from an older checkpoint than the run's newest (the damaged one)
     # would overwrite checkpoints; the launcher never deletes one.

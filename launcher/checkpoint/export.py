@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from launcher.checkpoint.catalog import Best
 from launcher.checkpoint.weights_source import FORMATS
 from launcher.checkpoint.whole_model import ModelRead, RecipeModel, human_bytes, read_model
 from launcher.errors import UsageError
 from launcher.rundir.atomic import write_new
 from launcher.rundir.disk import disk_bytes
-from launcher.rundir.layout import Best
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import RunError
-from launcher.rundir.layout import RunLayout
+from launcher.rundir.layout import CheckpointFiles
 
 # A write that fails with less than this free is taken for a full disk.
 NEARLY_FULL_BYTES = 16 * 2**20
@@ -99,24 +99,26 @@ def file_writer(path: Path) -> Any:
 
 
 @contextlib.contextmanager
-def failing_save(layout: RunLayout, step: int) -> Iterator[None]:
-    """Around a save, on every rank. A save that fails leaves no hidden folder: every rank
-    that sees it fail removes it (on a full disk, that makes room for the rank's own message),
-    and a file-system limit is re-raised as a RunError that says what to do."""
+def failing_save(store: Any, step: int, run_dir: Path) -> Iterator[None]:
+    """Around a save, on every rank. A save that fails leaves nothing unpublished behind: every
+    rank that sees it fail removes what it wrote (on a full disk, that makes room for the
+    rank's own message), and a file-system limit is re-raised as a RunError that says what
+    to do. `store`: the run's `launcher.checkpoint.store`."""
     try:
         yield
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        staging = layout.staging(step)
-        shutil.rmtree(staging, ignore_errors=True)
+        where = store.where(step)
+        if not CheckpointFiles(where).is_complete:  # published, then pruning failed: kept
+            store.discard(where)
         limit = limit_hit(exc)
         if limit is None:
             raise
-        raise _explained(limit, layout, step, removed=not staging.exists()) from exc
+        raise _explained(limit, store, step, run_dir, removed=not where.exists()) from exc
 
 
-def _explained(limit: OSError, layout: RunLayout, step: int, removed: bool) -> RunError:
+def _explained(limit: OSError, store: Any, step: int, run_dir: Path, removed: bool) -> RunError:
     what, fix = _LIMITS[limit.errno or errno.ENOSPC]
-    newest = layout.latest_complete()
+    newest = store.catalog.latest()
     kept = (
         f"earlier checkpoints are intact (newest: {newest.name})"
         if newest
@@ -125,11 +127,11 @@ def _explained(limit: OSError, layout: RunLayout, step: int, removed: bool) -> R
     left = (
         "the incomplete one was removed"
         if removed
-        else f"delete the incomplete {layout.staging(step)}"
+        else f"delete the incomplete {store.where(step)}"
     )
-    then = f"continue with --resume {layout.root}" if newest else "run again"
+    then = f"continue with --resume {run_dir}" if newest else "run again"
     return RunError(
-        f"{what} while writing checkpoint {layout.checkpoint(step).name} to "
-        f"{layout.checkpoints}; {kept}, and {left}",
+        f"{what} while writing checkpoint {store.catalog.checkpoint(step).name} to "
+        f"{store.catalog.root}; {kept}, and {left}",
         hint=f"{fix}, then {then}.",
     )

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.checkpoint.catalog import catalog_of, checkpoint_in, latest_complete, run_of
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.checkpoint.format import meta_damage
+from launcher.checkpoint.store_check import readable
 from launcher.errors import UsageError
-from launcher.rundir.layout import RunLayout, checkpoint_in, latest_complete, run_of
+from launcher.storage_url import location
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,8 @@ def resume_point(asked: ResumeRequest | Path | None, run_dir: Path | None = None
         return None if asked.job else _newest_of(asked.output_dir, asked.name)
     if asked.arg == "best":
         return _best_of(_newest_of(asked.output_dir, asked.name), asked.name)
-    path = Path(asked.arg)
-    if not path.exists():
+    path = location(asked.arg, what="--resume")
+    if not readable(path, "--resume").exists():
         raise UsageError(f"--resume {asked.arg}: no such folder")
     return checkpoint_in(path, "--resume")
 
@@ -85,7 +87,7 @@ def _best_of(newest: Path, name: str) -> Path:
     # whole when the run starts from it).
     refuse_damaged(newest, f"--resume best: the newest checkpoint, {newest},", check=meta_damage)
     run = run_of(newest)
-    best = RunLayout(run).best() if run else None
+    best = catalog_of(run).best() if run else None
     if best is None:
         raise UsageError(
             f"--resume best: the newest run of {name!r} ({run}) has no best checkpoint",

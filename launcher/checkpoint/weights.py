@@ -30,6 +30,7 @@ from launcher.errors import UsageError
 from launcher.parallel.base import Strategy
 from launcher.parallel.wrapper_names import WRAPPER_ATTRIBUTES, without_wrappers
 from launcher.safe_text import clean
+from launcher.storage_url import location
 
 _MODEL = "model."  # a checkpoint's model entries (not `optim.`, nor `ema.`)
 
@@ -57,7 +58,7 @@ def load_weights(
     # DCP's modules take half a second to import: not on every run's way to step 1.
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    source = find_weights(Path(load.weights))
+    source = find_weights(location(load.weights, what=KEY))
     own = get_model_state_dict(model)  # this rank's tensors: shards under fsdp
     match = strategy.from_main(_match_on_main(source, model, own) if strategy.is_main else None)
     _refuse_unfit(source, match, load.strict)

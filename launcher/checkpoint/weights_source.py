@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from launcher.checkpoint.catalog import checkpoint_in, run_of
 from launcher.checkpoint.damage import newest_intact
 from launcher.checkpoint.format import damage
 from launcher.checkpoint.safetensors_header import NotSafetensors, shown, tensor_shapes
 from launcher.errors import UsageError
-from launcher.rundir.layout import checkpoint_in, run_of
 from launcher.rundir.reading import UnreadableJson, read_json
 
 KEY = "load.weights"

@@ -28,10 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from launcher.checkpoint.catalog import Best, catalog_of, checkpoint_in, run_of
 from launcher.checkpoint.format import read_metadata, weights_only_planner
+from launcher.checkpoint.store import reader
 from launcher.errors import UsageError
 from launcher.parallel.wrapper_names import without_wrappers
-from launcher.rundir.layout import Best, CheckpointFiles, RunLayout, checkpoint_in, run_of
+from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import UnreadableJson
 
 COMMAND = "train export"
@@ -98,7 +100,7 @@ def resolve_source(source: Path, *, best: bool = False) -> tuple[Path, Best | No
         if run is None:
             raise UsageError(f"{COMMAND} {source} --best: this checkpoint is not in a run folder")
         try:
-            chosen = RunLayout(run).best()
+            chosen = catalog_of(run).best()
         except UnreadableJson as exc:  # its newest checkpoint's record of the best ones
             raise UsageError(f"{COMMAND} {source} --best: {exc.message}") from None
         if chosen is None:
@@ -238,7 +240,9 @@ def read_tensors(
         # torch_xla 2.9's SPMD planner (`load.weights` under xla_fsdp), on its own old calls.
         warnings.filterwarnings("ignore", message="Using a non-tuple sequence")
         try:
-            dcp.load(state, checkpoint_id=checkpoint, planner=planner, no_dist=True)
+            source = reader(checkpoint)  # a store's; DCP picks its own for a folder
+            where = {"storage_reader": source} if source else {"checkpoint_id": checkpoint}
+            dcp.load(state, planner=planner, no_dist=True, **where)
         except unreadable as exc:
             # A missing or truncated shard file: the input's fault, not a bug (--debug shows
             # the traceback underneath).

@@ -24,10 +24,11 @@ _NEEDS_RECIPE = (
 
 def export_command(
     source: Annotated[
-        Path,
+        str,
         typer.Argument(
             metavar="SOURCE",
-            help="A checkpoint folder, or a run folder (its newest complete checkpoint).",
+            help="A checkpoint folder, or a run folder (its newest complete checkpoint); or "
+            "a checkpoint's URL in a store (s3://bucket/prefix/step-00000100).",
             show_default=False,
         ),
     ],
@@ -87,15 +88,18 @@ def export_command(
         from launcher.checkpoint.export import export
         from launcher.checkpoint.hf_export import DEFAULT_SHARD_SIZE, export_hf
         from launcher.safe_text import clean
+        from launcher.storage_url import location
+
+        place = location(source, what="train export")
 
         if hf is not None:
             size = max_shard_size or DEFAULT_SHARD_SIZE
             exported = export_hf(
-                source, hf, best=best, ema=ema, recipe_model=recipe_model, max_shard_size=size
+                place, hf, best=best, ema=ema, recipe_model=recipe_model, max_shard_size=size
             )
         else:
             assert out is not None
-            exported = export(source, out, best=best, ema=ema, recipe_model=recipe_model)
+            exported = export(place, out, best=best, ema=ema, recipe_model=recipe_model)
         # Clean: it names the checkpoint's entries and its monitor, as its files spell them.
         typer.echo(clean(exported.describe()))
         return 0

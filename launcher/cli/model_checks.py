@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,9 +29,10 @@ def weights_fit(load: LoadSection, model: nn.Module) -> str:
     summary."""
     from launcher.checkpoint.weights import match_model
     from launcher.checkpoint.weights_source import KEY, check_weights
+    from launcher.storage_url import location
 
     assert load.weights is not None
-    match = match_model(check_weights(Path(load.weights)), model, load.strict)
+    match = match_model(check_weights(location(load.weights, what=KEY)), model, load.strict)
     n = len(match.pairs)
     line = f"{KEY}: {n} tensor{'s' if n != 1 else ''} fit"
     if match.problems:

@@ -20,6 +20,7 @@ from launcher.config.optim import TORCH_FREE
 from launcher.config.spec import RunSpec
 from launcher.config.yaml_file import clip, echo, parse_yaml_value, read_yaml_file
 from launcher.errors import UsageError
+from launcher.storage_url import is_url
 
 # Room for a message's own words around what it quotes.
 _MESSAGE_CHARS = 240
@@ -186,7 +187,7 @@ def _absolute_path(key: str, value: Any, base: Path) -> Any:
     """`value`, made absolute from `base` where `key` names a file or folder."""
     if key not in _PATH_KEYS or not isinstance(value, str):
         return value
-    if key == "recipe.source" and not value.endswith(".py"):
+    if (key == "recipe.source" and not value.endswith(".py")) or is_url(value):
         return value
     try:
         return str((base / value).resolve())

@@ -6,9 +6,10 @@ Each field's `description` is the documentation: `train --help`, the config refe
 
 from __future__ import annotations
 
+import string
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 # The fsdp section's keys need long descriptions; it lives apart, re-exported here.
 from launcher.config.fsdp import FSDPSection
@@ -20,6 +21,7 @@ from launcher.config.optim import OptimSection
 from launcher.config.parallel import ParallelSection
 from launcher.config.section import PositiveInt, Section
 from launcher.config.training import EMASection, Precision, ProfileSection, TrainSection
+from launcher.storage_url import is_url, secret_options
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
@@ -138,7 +140,9 @@ class CheckpointSection(Section):
         description="Save every this many steps; a last checkpoint is always saved at the end.",
     )
     keep_last: PositiveInt | None = Field(
-        None, description="Keep only the newest this many complete checkpoints (all when unset)."
+        None,
+        description="Keep only the newest this many complete checkpoints (all when unset); "
+        "the best ones (`keep_best`) and the one an attempt resumed from are kept besides.",
     )
     async_: bool = Field(
         False,
@@ -160,6 +164,54 @@ class CheckpointSection(Section):
         description="Best checkpoints kept by `monitor`, apart from `keep_last`: never pruned "
         "for being old. `--resume best` and `train export --best` use the best.",
     )
+    dir: str | None = Field(
+        None,
+        description="Where checkpoints go: an fsspec URL (`s3://bucket/prefix/{run}`; `gs://`, "
+        "`az://`, `file://` with their packages installed), `{run}` standing for the run "
+        "folder's name. `null`: the run folder's `checkpoints/`. Every rank writes its own "
+        "files there, so nodes with separate run folders share it; credentials come from the "
+        "environment (`AWS_ACCESS_KEY_ID`, ...), never from the spec. See "
+        "docs/evaluation-and-checkpoints.md.",
+    )
+    storage_options: dict[str, Any] = Field(
+        {},
+        description="fsspec's options for `dir`'s file system, e.g. `{endpoint_url: "
+        "http://127.0.0.1:9000}`. A secret (`key`, `secret`, `token`, ...) is refused: set its "
+        "environment variable.",
+    )
+
+    def store_url(self, run_name: str) -> str | None:
+        """`dir` with `{run}` filled in; None where checkpoints stay in the run folder."""
+        if not self.enabled or self.dir is None:
+            return None
+        return self.dir.replace("{run}", run_name)
+
+    @field_validator("dir")
+    @classmethod
+    def _a_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not is_url(value):
+            raise ValueError(
+                f"{value!r} is not a URL: give a store's, e.g. s3://bucket/prefix/{{run}}; for "
+                "a folder of this machine, leave it unset (checkpoints go to the run folder, "
+                "which --run-dir places)"
+            )
+        fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        if fields - {"run"}:
+            raise ValueError(f"{{{sorted(fields - {'run'})[0]}}}: only {{run}} is filled in")
+        return value
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secret(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if secrets := secret_options(value):
+            key, variable = next(iter(secrets.items()))
+            raise ValueError(
+                f"{key!r} holds a secret, which the spec never does (it is saved with the run): "
+                f"set {variable} in the environment instead"
+            )
+        return value
 
 
 class EvalSection(Section):

@@ -16,6 +16,7 @@ from rich.text import Text
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from launcher.checkpoint.catalog import latest_complete
 from launcher.errors import RunError
 from launcher.launch import failure_report
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
@@ -144,7 +145,7 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
 
 
 def _folder_gone(plan: LaunchPlan, console: Console) -> int:
-    latest = plan.layout.latest_complete()
+    latest = latest_complete(plan.run_dir)
     said = (
         f"stopped: the run folder was deleted or moved; saved {latest} into a new one. "
         f"Continue with: --resume {plan.run_dir}"
@@ -156,7 +157,7 @@ def _folder_gone(plan: LaunchPlan, console: Console) -> int:
 
 
 def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
-    latest = plan.layout.latest_complete()
+    latest = latest_complete(plan.run_dir)
     resume = "latest" if plan.nodes.job_id else str(plan.run_dir)
     if latest:
         end = f"; saved {latest}. Continue with: --resume {resume}"

@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from launcher.checkpoint.catalog import latest_complete, run_of
 from launcher.errors import UsageError
-from launcher.rundir.layout import RunLayout, latest_complete, run_of
+from launcher.rundir.layout import RunLayout
 
 
 def new_run_dir(output_dir: Path, name: str) -> Path:
@@ -78,14 +79,14 @@ def _would_mix(run_dir: Path, resume_from: Path | None) -> bool:
     where that folder's newest checkpoint left off; anything else would mix two runs and
     overwrite or prune the other run's checkpoints."""
     layout = RunLayout(run_dir)
-    return layout.holds_a_run() and (resume_from is None or layout.latest_complete() != resume_from)
+    return layout.holds_a_run() and (resume_from is None or latest_complete(run_dir) != resume_from)
 
 
 def refuse_finished_job(run_dir: Path, job_id: str) -> None:
     """A job's folder that holds a finished run without checkpoints is never started over:
     there is nothing to continue, and starting again would replace its metrics."""
     layout = RunLayout(run_dir)
-    if layout.latest_complete() is None and layout.summary.exists():
+    if latest_complete(run_dir) is None and layout.summary.exists():
         raise UsageError(
             f"run folder {run_dir} (job {job_id}) holds a finished run; it is never overwritten",
             hint="Use another --rdzv-id.",

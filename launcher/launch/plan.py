@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint.weights_source import check_weights
+from launcher.checkpoint.weights_source import KEY, check_weights
 from launcher.clusters.kubernetes import NPROC_PER_NODE
 from launcher.clusters.nodes import Nodes
 from launcher.clusters.tpu_pod import host_index
@@ -27,6 +27,7 @@ from launcher.parallel.registry import strategy_info, worker_env
 from launcher.plain_number import plain_number
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
+from launcher.storage_url import location
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ def make_plan(
         spec, resume=resume, run_dir=run_dir, job_id=nodes.job_id, layers=layers, sources=sources
     )
     spec, sources, resume_from = decision.spec, decision.sources, decision.checkpoint
+    spec = _store_named(spec, decision.run_dir)
     # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
     # exactly for the strategies that run on nothing else.
     tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
@@ -188,13 +190,22 @@ def make_plan(
     )
 
 
+def _store_named(spec: RunSpec, run_dir: Path) -> RunSpec:
+    """The spec with `checkpoint.dir`'s `{run}` filled in: spec.yaml, the workers and every
+    checkpoint's record name the store itself, so a resume continues in it."""
+    url = spec.checkpoint.store_url(run_dir.name)
+    if url is None or url == spec.checkpoint.dir:
+        return spec
+    return spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": url})})
+
+
 def _weights_found(spec: RunSpec, resume_from: Path | None) -> RunSpec:
     """The spec with `load.weights` as the workers will read it (a run folder's newest
     complete checkpoint); weights that are missing, damaged or of no known format are refused
     before anything starts. A resume never reads them: they may be gone."""
     if spec.load.weights is None or resume_from is not None:
         return spec
-    source = check_weights(Path(spec.load.weights))
+    source = check_weights(location(spec.load.weights, what=KEY))
     load = spec.load.model_copy(update={"weights": str(source.path)})
     return spec.model_copy(update={"load": load})
 

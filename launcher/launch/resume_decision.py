@@ -15,14 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.catalog import adopt_store
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.checkpoint.format import read_meta, recorded_spec
 from launcher.checkpoint.selection import ResumeRequest, resume_point
+from launcher.checkpoint.store_check import reachable_newest
 from launcher.config.loader import SpecLayers
 from launcher.config.resume import Change, ResumedSpec, spec_on_resume
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch import folder_choice
+from launcher.storage_url import is_remote, location
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ def _run_and_checkpoint(
         folder_choice.refuse_finished_job(run_dir, job_id)  # whatever --resume says
     if isinstance(asked, ResumeRequest):
         asked = resume_point(asked)
+    asked = _read_as_the_run(asked, spec)
     if job_id is None:
         if resume == "best" and run_dir is None:
             # The best is rarely the newest: continuing in its folder would overwrite newer
@@ -168,4 +172,33 @@ def _run_and_checkpoint(
     elif resume != "latest":  # `latest`: the job's own newest checkpoint, or none yet
         folder_choice.check_job_resume(run_dir, job_id, asked)
     assert run_dir is not None
+    _take_store(spec, run_dir, job_id, asked)
     return run_dir, resume_point(asked, run_dir)
+
+
+def _read_as_the_run(asked: Any, spec: RunSpec) -> Any:
+    """A checkpoint in a store, read with the run's storage options (a location's options
+    are part of what it is)."""
+    if not is_remote(asked):
+        return asked
+    return location(str(asked), spec.checkpoint.storage_options, "--resume")
+
+
+def _take_store(spec: RunSpec, run_dir: Path, job_id: str | None, asked: Any) -> None:
+    """The store `checkpoint.dir` names becomes the run folder's, once found reachable. One
+    that holds checkpoints is continued only from its newest (a job's requeue, a resume):
+    anything else would mix two runs' checkpoints and prune the other's."""
+    url = spec.checkpoint.store_url(run_dir.name)
+    if url is None:
+        return
+    root = location(url, spec.checkpoint.storage_options, "checkpoint.dir")
+    newest = reachable_newest(root)
+    adopt_store(run_dir, root)
+    if newest is None or job_id is not None or newest == asked:
+        return
+    raise UsageError(
+        f"checkpoint.dir {url}: already holds checkpoints up to {newest.name}, which this run "
+        "does not continue; writing there would mix two runs",
+        hint="Put {run} in checkpoint.dir (a prefix per run), continue that run with --resume "
+        f"{newest}, or give another checkpoint.dir.",
+    )

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from launcher.checkpoint.catalog import record_store
 from launcher.checkpoint.pruning import finish_cut_short
 from launcher.config.loader import spec_to_yaml
 from launcher.config.sources import annotate_yaml
@@ -14,6 +15,7 @@ from launcher.launch import folder_choice
 from launcher.launch.plan import LaunchPlan
 from launcher.rundir import lock as run_lock
 from launcher.rundir.atomic import write_atomic
+from launcher.storage_url import location
 
 _SPEC_HEADER = """\
 # The spec this run ran with, every key: `train --config` reads it as it is. A comment names
@@ -80,7 +82,11 @@ def _write_files(plan: LaunchPlan) -> None:
         layout.logs.mkdir(exist_ok=True)
         layout.telemetry_dir.mkdir(exist_ok=True)
         plan.node_dir.mkdir(parents=True, exist_ok=True)
-        if plan.writes_shared_files:
+        if (url := plan.spec.checkpoint.store_url(plan.run_dir.name)) is not None:
+            # Every node's own record: nodes need not share the run folder then.
+            options = plan.spec.checkpoint.storage_options
+            record_store(plan.run_dir, location(url, options, "checkpoint.dir"))
+        elif plan.writes_shared_files:
             _check_writable(layout.checkpoints)
     except OSError as exc:
         where = Path(exc.filename or plan.run_dir)

@@ -1,4 +1,5 @@
-"""The run folder: every path inside it, and which of its checkpoints are which.
+"""The run folder: every path inside it (which of its checkpoints are which:
+`launcher.checkpoint.catalog`).
 
 This module is the one owner of the layout; no other module joins run-folder path parts.
 
@@ -22,6 +23,8 @@ This module is the one owner of the layout; no other module joins run-folder pat
       outcome.json               how the run ended: status, exit code, when (the launcher)
       .outcome.reserve           room for outcome.json, held while the run runs
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
+      checkpoint-store.json      where checkpoints go instead when checkpoint.dir names a store
+                                 (launcher.checkpoint.catalog reads both)
       nodes/NAME/                a node's (or TPU host's) own files when several share RUN_DIR
       xla_cache/                 XLA's persistent compile cache (TPU)
       compile_cache/             torch.compile's (inductor's) cache (train.compile)
@@ -31,24 +34,12 @@ This module is the one owner of the layout; no other module joins run-folder pat
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
-import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from launcher.errors import UsageError
-from launcher.rundir.reading import UnreadableJson, read_json
-
-_STEP = re.compile(r"^step-(\d{8,})$")
-_DELETING = re.compile(r"^\.step-\d{8,}\.deleting$")  # CheckpointFiles.unpublished
-# How often `best` looks for the newest checkpoint again when a live run prunes the one it
-# found before its record is read: each look finds a newer one, so a few are plenty.
-_LOOKS = 5
 
 
 @dataclass(frozen=True)
@@ -230,78 +221,16 @@ class RunLayout:
         return self.root / "checkpoints"
 
     def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step-{step:08d}"
+        return checkpoint_folder(self.checkpoints, step)
+
+    @property
+    def checkpoint_store(self) -> Path:
+        """The store (`checkpoint.dir`) that holds the run's checkpoints, when not `checkpoints`."""
+        return self.root / "checkpoint-store.json"
 
     def staging(self, step: int) -> Path:
         """Where a checkpoint is written until every rank is done: hidden, never complete."""
-        return self.checkpoints / f".step-{step:08d}.partial"
-
-    def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        if not self.checkpoints.is_dir():
-            return []
-        found = [
-            p
-            for p in self.checkpoints.iterdir()
-            if _STEP.match(p.name) and CheckpointFiles(p).is_complete
-        ]
-        return sorted(found, key=lambda p: step_of(p) or 0)
-
-    def complete_steps(self) -> set[int]:
-        return {step_of(p) or 0 for p in self.complete_checkpoints()}
-
-    def latest_complete(self) -> Path | None:
-        done = self.complete_checkpoints()
-        return done[-1] if done else None
-
-    def cut_short_deletions(self) -> list[Path]:
-        """The pruned checkpoints that their launcher, stopped mid-delete, left unpublished
-        (`CheckpointFiles.unpublished`): folders, never a link."""
-        if not self.checkpoints.is_dir():
-            return []
-        return sorted(
-            p for p in self.checkpoints.iterdir() if _DELETING.match(p.name) and _is_folder(p)
-        )
-
-    def prunable(self, keep_last: int | None, protected: Iterable[int] = ()) -> list[Path]:
-        """The pruning rule: complete checkpoints other than the newest `keep_last` and the
-        `protected` steps (the best ones). None: keep everything."""
-        if not keep_last:
-            return []
-        keep = set(protected)
-        return [p for p in self.complete_checkpoints()[:-keep_last] if step_of(p) not in keep]
-
-    def best(self) -> Best | None:
-        """The best complete checkpoint by `checkpoint.monitor`, as the newest checkpoint's
-        record of scores says (the record survives resumes; pruned ones are passed over).
-        UnreadableJson where the newest one's meta.json is missing or malformed."""
-        newest = self._newest_meta()
-        if newest is None:
-            return None
-        meta, record = newest
-        monitor, kept = _best_record(record, meta)
-        for step, score in kept:
-            path = self.checkpoint(step)
-            if CheckpointFiles(path).is_complete:
-                return Best(path, step, score, monitor)
-        return None
-
-    def _newest_meta(self) -> tuple[Path, Any] | None:
-        """The newest complete checkpoint's meta.json and what it holds; None without one."""
-        for look in range(1, _LOOKS + 1):
-            newest = self.latest_complete()
-            if newest is None:
-                return None
-            meta = CheckpointFiles(newest).meta
-            try:
-                return meta, read_json(meta, "checkpoint meta")
-            except FileNotFoundError:
-                # A live run that keeps few checkpoints prunes its newest one once a newer
-                # one is published, maybe while this reads it: the newer one's is read then.
-                # One still published without its meta.json is damaged.
-                if look == _LOOKS or CheckpointFiles(newest).is_complete:
-                    raise UnreadableJson(meta, "missing") from None
-        raise AssertionError("unreachable: the last look returns or raises")
+        return staging_folder(self.checkpoints, step)
 
     def holds_a_run(self) -> bool:
         """Whether the folder holds more than what a launcher writes before the first step. A
@@ -315,81 +244,43 @@ class RunLayout:
         startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
         startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
-        startup += [self.outcome, self.outcome_reserve]  # an attempt that never trained ends
+        startup += [
+            self.outcome,
+            self.outcome_reserve,
+            self.checkpoint_store,
+        ]  # an attempt that never trained ends
         if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
             startup.append(self.checkpoints)  # made, and found writable, at the start
         return any(p not in startup for p in self.root.iterdir())
 
 
-@dataclass(frozen=True)
-class Best:
-    path: Path
-    step: int
-    score: float
-    monitor: str
-
-    def describe(self) -> str:
-        return f"{self.path} ({self.monitor} {self.score:.6g} at step {self.step})"
+# The names inside a folder of checkpoints (the run folder's `checkpoints/`, or a store's
+# prefix: `launcher.checkpoint.catalog`).
+_STEP = re.compile(r"^step-(\d{8,})$")
+_DELETING = re.compile(r"^\.step-\d{8,}\.deleting$")  # CheckpointFiles.unpublished
 
 
-def _best_record(meta: Any, where: Path) -> tuple[str, list[tuple[int, float]]]:
-    """The monitor and the (step, score) pairs, best first, of a checkpoint's meta.json (its
-    `best` entry, which `launcher.worker.monitors` writes); UnreadableJson where malformed."""
-    record = meta.get("best") if isinstance(meta, dict) else None
-    if not record:
-        return "", []
-    try:
-        monitor, pairs = record["monitor"], [(step, score) for step, score in record["kept"]]
-    except (TypeError, KeyError, ValueError):  # not a mapping, not a list of pairs
-        monitor, pairs = None, []
-    if not isinstance(monitor, str) or not all(map(_is_step_and_score, pairs)):
-        raise UnreadableJson(where, "its record of the best checkpoints is malformed")
-    return monitor, pairs
+def checkpoint_folder(root: Any, step: int) -> Any:
+    """The checkpoint of `step` in the folder (or store prefix) `root`."""
+    return root / f"step-{step:08d}"
 
 
-def _is_step_and_score(pair: tuple[Any, Any]) -> bool:
-    step, score = pair
-    numbers = all(isinstance(n, int | float) and not isinstance(n, bool) for n in pair)
-    # A step of 400 digits would make a file name too long to look up.
-    return numbers and isinstance(step, int) and 0 <= step < 10**15 and not math.isnan(score)
+def staging_folder(root: Any, step: int) -> Any:
+    """Where a checkpoint is written until every rank is done: hidden, never complete."""
+    return root / f".step-{step:08d}.partial"
 
 
-def _is_folder(path: Path) -> bool:
-    """A folder itself, not a link to one."""
-    try:
-        return stat.S_ISDIR(path.lstat().st_mode)
-    except OSError:
-        return False
-
-
-def step_of(checkpoint: Path) -> int | None:
-    """The step a published checkpoint folder holds."""
-    found = _STEP.match(checkpoint.name)
+def checkpoint_step(name: str) -> int | None:
+    """The step of a published checkpoint's folder name; None for any other name."""
+    found = _STEP.match(name)
     return int(found[1]) if found else None
 
 
-def latest_complete(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run folder."""
-    return RunLayout(run_dir).latest_complete()
+def is_cut_short(name: str) -> bool:
+    """Whether a name is that of a pruned checkpoint left unpublished (`.step-N.deleting`)."""
+    return bool(_DELETING.match(name))
 
 
-def checkpoint_in(path: Path, what: str) -> Path:
-    """The checkpoint a folder names: itself (a complete checkpoint folder), or a run
-    folder's newest complete one. `what` names the flag or command, for the errors."""
-    files = CheckpointFiles(path)
-    if files.is_complete:
-        return path
-    if files.looks_interrupted:
-        raise UsageError(f"{what} {path}: this checkpoint is incomplete (its save was interrupted)")
-    newest = latest_complete(path)
-    if newest is None:
-        raise UsageError(
-            f"{what} {path}: neither a checkpoint nor a run folder with a complete checkpoint",
-            hint="A checkpoint folder holds a COMPLETE file; a run folder holds checkpoints/.",
-        )
-    return newest
-
-
-def run_of(checkpoint: Path) -> Path | None:
-    """The run folder a checkpoint folder belongs to, if it is inside one."""
+def run_holding(checkpoint: Path) -> Path | None:
+    """The run folder whose `checkpoints/` holds a local checkpoint folder, if one does."""
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None

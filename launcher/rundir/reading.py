@@ -60,10 +60,13 @@ class UnreadableJson(UsageError):
         self.reason = reason
 
 
-def open_file(path: Path) -> BinaryIO:
+def open_file(path: Path) -> BinaryIO:  # or a UPath
     """The regular file at `path`, open for reading (as `open(path, "rb")`, and closed the same
     way); FileNotFoundError where nothing is there, UnreadableFile where something else is.
-    Opened without blocking: opening a FIFO for reading would otherwise wait for a writer."""
+    Opened without blocking: opening a FIFO for reading would otherwise wait for a writer.
+    A checkpoint's file in a store (a UPath, `launcher.storage_url`) is opened through it."""
+    if not isinstance(path, Path):
+        return _open_stored(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -78,6 +81,15 @@ def open_file(path: Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_stored(path: Any) -> BinaryIO:
+    """A file in an object store: objects are regular files; a prefix is no file."""
+    if not path.is_file():
+        if path.exists():
+            raise UnreadableFile(path, "not a regular file")
+        raise FileNotFoundError(str(path))
+    return path.open("rb")
 
 
 @contextlib.contextmanager
@@ -134,7 +146,7 @@ def read_json(path: Path, kind: str) -> Any:
     except UnreadableFile as exc:
         raise UnreadableJson(path, exc.reason) from None
     with file:
-        size = os.fstat(file.fileno()).st_size
+        size = os.fstat(file.fileno()).st_size if isinstance(path, Path) else path.stat().st_size
         if size > limit:
             raise UnreadableJson(path, _too_large(size, limit, kind))
         try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.reading import read_json
+from launcher.storage_url import is_remote, location
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -36,7 +37,7 @@ class WorkerPlan:
     # The checkpoint the run's first attempt starts from, as the launcher decided it once
     # (`launcher.launch.resume_decision`); a restarted attempt asks the rule again
     # (`launcher.checkpoint.selection.attempt_start`).
-    resume_from: Path | None = None
+    resume_from: Any = None  # a Path, or a UPath in a store (launcher.storage_url)
     compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
     # The YAML file as this launch read it: every checkpoint records it for the next resume.
     config_file: dict[str, Any] | None = None
@@ -54,13 +55,24 @@ class WorkerPlan:
         # Absolute, as seen from the launch folder: a recipe may os.chdir() in a worker.
         record["run_dir"] = str(self.run_dir.absolute())
         for key in ("resume_from", "compile_cache"):
-            record[key] = str(Path(record[key]).absolute()) if record[key] is not None else None
+            record[key] = _absolute(record[key])
         write_atomic(path, json.dumps(record, indent=1) + "\n")
 
     @classmethod
     def read(cls, path: Path) -> WorkerPlan:
         record = read_json(path, "worker plan")
         record["run_dir"] = Path(record["run_dir"])
-        for key in ("resume_from", "compile_cache"):
-            record[key] = Path(record[key]) if record[key] is not None else None
+        # A checkpoint in a store is read with the run's storage options.
+        options = ((record.get("spec") or {}).get("checkpoint") or {}).get("storage_options")
+        resume_from = record["resume_from"]
+        record["resume_from"] = None if resume_from is None else location(resume_from, options)
+        record["compile_cache"] = Path(record["compile_cache"]) if record["compile_cache"] else None
         return cls(**record)
+
+
+def _absolute(place: Any) -> str | None:
+    """A folder as seen from the launch folder (a recipe may os.chdir() in a worker); a URL
+    as it is."""
+    if place is None:
+        return None
+    return str(place) if is_remote(place) else str(Path(place).absolute())

@@ -18,16 +18,18 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from launcher.checkpoint.catalog import Catalog, step_of, store_root
 from launcher.errors import LauncherError
 from launcher.metrics.progress import Progress, monitored, read_progress
 from launcher.metrics.telemetry import read_beat
-from launcher.rundir.layout import RunLayout, step_of
+from launcher.rundir.layout import RunLayout
 from launcher.rundir.lock import is_held
 from launcher.rundir.outcome import RunOutcome, read_outcome
 from launcher.rundir.reading import parse_json_or_none, read_tail
 from launcher.runs.metrics_file import value
+from launcher.storage_url import is_remote
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -56,6 +58,7 @@ class RunRow:
     best_val_step: int | None
     checkpoint: str | None  # the newest complete checkpoint
     checkpoint_step: int | None
+    checkpoint_store: str | None  # where the checkpoints are, when not in the run folder
     started: float | None  # when the run first started (resumes continue it)
     ended: float | None  # None while it runs
     duration_s: float | None
@@ -130,7 +133,7 @@ def _describe(run_dir: Path, now: float | None) -> RunRow:
     best_loss = progress.best("loss")
     best = progress.best(metric, mode)
     best_val = (metric, *best) if best is not None else None
-    newest = layout.latest_complete()
+    newest, store = _newest_checkpoint(run_dir)
     started = _started(layout)
     ended = _ended(layout, status, outcome)
     end = ended if ended is not None else (now or time.time()) if status == "running" else None
@@ -150,10 +153,27 @@ def _describe(run_dir: Path, now: float | None) -> RunRow:
         best_val_step=best_val[2] if best_val else None,
         checkpoint=str(newest) if newest else None,
         checkpoint_step=step_of(newest) if newest else None,
+        checkpoint_store=store,
         started=started,
         ended=ended,
         duration_s=round(end - started, 3) if end is not None and started is not None else None,
     )
+
+
+def _newest_checkpoint(run_dir: Path) -> tuple[Any, str | None]:
+    """The newest complete checkpoint and, for a run whose checkpoints are in a store
+    (`checkpoint.dir`), the store's URL. A store that does not answer leaves the checkpoint
+    unknown; it never breaks the listing."""
+    try:
+        root = store_root(run_dir)
+    except LauncherError:  # a damaged record of the store
+        return None, None
+    if not is_remote(root):
+        return Catalog(root).latest(), None
+    try:
+        return Catalog(root).latest(), str(root)
+    except Exception:  # each store's client raises its own types
+        return None, str(root)
 
 
 def run_status(layout: RunLayout) -> tuple[str, RunOutcome | None]:

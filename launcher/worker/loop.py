@@ -195,7 +195,9 @@ class Trainer:
         """How the run ended, for the trackers: stopped where it was asked to stop (to be
         resumed) before its last step."""
         stopped = self.stop_requested and self.progress.step < self.total_steps
-        best = self.layout.best() if self.state.best and self.strategy.is_main else None
+        best = (
+            self.checkpointer.catalog.best() if self.state.best and self.strategy.is_main else None
+        )
         return RunEnd("stopped" if stopped else "finished", str(best.path) if best else None)
 
     def _after_step(self) -> bool:
@@ -263,9 +265,10 @@ class Trainer:
             self.progress.step,
             self.memory,
             self.strategy.summary(),
-            best=self.layout.best() if self.state.best else None,
+            best=self.checkpointer.catalog.best() if self.state.best else None,
             skipped=self.state.nonfinite.skipped,
-            last=self.layout.latest_complete(),
+            last=self.checkpointer.catalog.latest(),
+            written=self.checkpointer.write_times,
         )
 
     def _step(self, batches: Any) -> None:
@@ -359,7 +362,7 @@ class Trainer:
         """Collective: ends the run with exit 1, naming what went bad and where; the saves
         under way (all of finite weights) are published first."""
         self.checkpointer.close()
-        raise self.state.nonfinite.failure(self.layout.latest_complete())
+        raise self.state.nonfinite.failure(self.checkpointer.catalog.latest())
 
     def _say(self, text: str, every_rank: bool = False) -> None:
         self.report.say(text, every_rank)

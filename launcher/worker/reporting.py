@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from launcher.checkpoint.catalog import Best
 from launcher.config.spec import RunSpec
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy
-from launcher.rundir.layout import Best
 from launcher.worker.flops import Speed, describe
 from launcher.worker.metrics_window import MetricsWindow
 from launcher.worker.param_groups import Grouping
@@ -135,6 +135,7 @@ class Reporter:
         best: Best | None,
         skipped: int,
         last: Path | None,
+        written: list[float],
     ) -> None:
         """summary.json and the last line. Collective on GPUs (each rank's peak memory)."""
         speed = self.speed.summary(self.telemetry.step_times.median)
@@ -149,6 +150,7 @@ class Reporter:
             memory=memory,
             **({"best_checkpoint": str(best.path), "best_score": best.score} if best else {}),
             **({"skipped_updates": skipped} if skipped else {}),
+            **({"checkpoint_written_s": [round(s, 4) for s in written]} if written else {}),
             **backend,
         )
         shown = {k: v for k, v in backend.items() if not isinstance(v, dict)}

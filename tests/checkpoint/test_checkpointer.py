@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from launcher.checkpoint import checkpointer as checkpoint
+from launcher.checkpoint.catalog import Catalog
 from launcher.parallel.ddp import DDPStrategy
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 
@@ -25,6 +26,9 @@ class Held:
 
     def rank_state_dict(self) -> dict:
         return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, *loaded: object) -> None:  # the model's, or the loop's
+        pass
 
 
 def _saver(strategy, run_dir: Path, state: dict, model=None, **options):  # type: ignore[no-untyped-def]
@@ -78,7 +82,7 @@ def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, u
         saver.save(step)
         saver.before_update()
     saver.close()
-    names = [p.name for p in RunLayout(tmp_path).complete_checkpoints()]
+    names = [p.name for p in Catalog(RunLayout(tmp_path).checkpoints).complete()]
     assert names == ["step-00000002", "step-00000003"]
     assert not list((tmp_path / "checkpoints").glob(".*partial"))
     assert (
@@ -179,3 +183,39 @@ def test_a_save_that_waits_for_the_last_ones_write_says_so(
     assert out.count("WARNING") == 1  # once a run
     assert "the save at step 2 waited" in out and "for the one at step 1" in out
     assert "checkpoint.every_n_steps" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_store_publishes_by_marker_and_prunes_it_first(
+    tmp_path: Path, strategy, use_async
+) -> None:
+    """The object store's rules, through fsspec's own local file system (`file://`): no rename,
+    the marker last; a half-written folder is never taken, and the next save of its step
+    clears it; the checkpoint a run resumed from is never pruned."""
+    from launcher.checkpoint.catalog import record_store
+    from launcher.storage_url import location
+
+    root = location(f"file://{tmp_path}/store")
+    (tmp_path / "run").mkdir()
+    record_store(tmp_path / "run", root)
+    state: dict = {"model": {"w": torch.zeros(4)}}
+    saver = _saver(strategy, tmp_path / "run", state, keep_last=1, use_async=use_async)
+    saver.save(1)
+    saver.wait()
+    half = tmp_path / "store" / "step-00000002"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"an upload cut short")  # no COMPLETE: not taken
+    assert [p.name for p in saver.catalog.complete()] == ["step-00000001"]
+    assert saver.load(saver.catalog.checkpoint(1))  # resumed from step 1: never pruned
+    for step in (2, 3):
+        state["model"] = {"w": torch.full((4,), float(step))}
+        saver.save(step)
+        saver.before_update()
+    saver.close()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [
+        "step-00000001",
+        "step-00000003",
+    ]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert _load(saver.catalog.checkpoint(3), torch.zeros(4), strategy).tolist() == [3.0] * 4

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher.checkpoint.catalog import latest_complete
 from launcher.checkpoint.weights import match_names
 from launcher.checkpoint.whole_model import load_model_state
 from launcher.parallel.rng import seed_everything
@@ -170,7 +171,7 @@ def test_mismatched_names_are_refused_and_strict_false_loads_the_rest(tmp_path: 
     assert "  not in the run: head.weight" in result.stdout
     # lr 0: the run's checkpoint holds the weights it started with. What fits is the file's;
     # the rest is the recipe's own initialisation (the seeded constructors, run.seed 0).
-    trained, _ = load_model_state(RunLayout(run).latest_complete())
+    trained, _ = load_model_state(latest_complete(run))
     seed_everything(0)
     initial = build_model().state_dict()
     for key in ("0.bias", "2.weight", "4.weight", "4.bias"):
@@ -198,7 +199,7 @@ def test_a_run_started_from_weights_resumes_from_its_own_checkpoint(tmp_path: Pa
     for given in (["--load-weights", str(run)], [f"load.weights={run}"]):
         again = train_in_fork(["--resume", str(run), "train.max_steps=3", *given], tmp_path)
         usage_error(again, "starts a new run from weights, and --resume", "give one of them")
-    assert RunLayout(run).latest_complete() == RunLayout(run).checkpoint(2)
+    assert latest_complete(run) == RunLayout(run).checkpoint(2)
 
 
 @pytest.mark.launcher_only

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from launcher.checkpoint import catalog
+from launcher.checkpoint.catalog import catalog_of
 from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.errors import UsageError
-from launcher.rundir import layout
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import UnreadableJson
 from tests.conftest import FAULTY_RECIPE, REPO, run_train, write_spec
@@ -101,7 +102,7 @@ def test_best_looks_again_when_a_live_run_prunes_the_newest_checkpoint(
     run_dir = tmp_path / "run"
     best = _checkpoint(run_dir, 2)
     pruned = _checkpoint(run_dir, 4, best=[2])
-    read_json = layout.read_json
+    read_json = catalog.read_json
 
     def read_as_the_run_prunes(path: Path, kind: str) -> object:
         if path.parent == pruned and pruned.exists():
@@ -109,13 +110,13 @@ def test_best_looks_again_when_a_live_run_prunes_the_newest_checkpoint(
             pruned.rename(pruned.with_name(f".{pruned.name}.deleting"))  # as pruning does
         return read_json(path, kind)
 
-    monkeypatch.setattr(layout, "read_json", read_as_the_run_prunes)
-    found = RunLayout(run_dir).best()
+    monkeypatch.setattr(catalog, "read_json", read_as_the_run_prunes)
+    found = catalog_of(run_dir).best()
     assert found is not None and (found.path, found.step) == (best, 2)
     # Still published without its meta.json, the newest checkpoint is damaged, not pruned.
     (RunLayout(run_dir).checkpoint(6) / "meta.json").unlink()
     with pytest.raises(UnreadableJson, match=r"step-00000006/meta.json: missing"):
-        RunLayout(run_dir).best()
+        catalog_of(run_dir).best()
 
 
 def test_a_path_names_a_checkpoint_or_a_run_folder(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from launcher.checkpoint.catalog import latest_complete
 from launcher.launch.watchdog import Watchdog
 from launcher.rundir.layout import RunLayout
 from tests.conftest import (
@@ -450,7 +451,7 @@ def test_a_run_folder_deleted_mid_run_is_named_and_the_run_stops_with_a_checkpoi
     assert f"the run folder {run_dir} was deleted or moved while the run ran" in output, output
     assert "no progress" not in output  # not taken for a hang
     assert f"Continue with: --resume {run_dir}" in output
-    assert RunLayout(run_dir).latest_complete() is not None  # in the new folder
+    assert latest_complete(run_dir) is not None  # in the new folder
 
 
 @pytest.mark.launcher_only

@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from launcher.checkpoint.catalog import latest_complete
 from launcher.checkpoint.selection import ResumeRequest, resume_point
 from launcher.clusters.nodes import Nodes
 from launcher.errors import UsageError
 from launcher.launch.plan import make_plan
-from launcher.rundir.layout import CheckpointFiles, latest_complete
+from launcher.rundir.layout import CheckpointFiles
 from tests.conftest import bare_spec
 
 

@@ -140,7 +140,8 @@ def test_best_checkpoints_survive_pruning_and_resume(tmp_path: Path) -> None:
         ["--config", str(spec), "--resume", "latest", "train.max_steps=14"], cwd=tmp_path
     )
     assert second.returncode == 0, second.stdout + second.stderr
-    assert _steps(run) == [4, 12, 14]
+    # 8 is kept too: the checkpoint an attempt resumed from is never pruned by it.
+    assert _steps(run) == [4, 8, 12, 14]
     best = run / "checkpoints" / "step-00000012"
     assert f"best checkpoint {best} (val/score 0.5 at step 12)" in second.stdout
     summary = json.loads((run / "summary.json").read_text())
@@ -156,7 +157,7 @@ def test_best_checkpoints_survive_pruning_and_resume(tmp_path: Path) -> None:
     )
     assert third.returncode == 0, third.stdout + third.stderr
     assert "resumed at step 12" in third.stdout
-    assert _steps(run) == [4, 12, 14]
+    assert _steps(run) == [4, 8, 12, 14]
     (branch,) = [p for p in (tmp_path / "runs" / "t").iterdir() if p != run]
     assert _steps(branch) == [14]
 

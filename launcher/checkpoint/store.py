@@ -1,0 +1,146 @@
+"""Where checkpoints are written: one small interface, two kinds of storage.
+
+`LocalStore`, the run folder's `checkpoints/`: a checkpoint is written under a hidden
+`.step-N.partial` name and renamed into place, so a crash never leaves a folder that looks
+complete; a pruned one is renamed away first, then deleted (`launcher.checkpoint.pruning`).
+
+`ObjectStore`, any fsspec URL (`checkpoint.dir: s3://bucket/prefix/{run}`): an object store has
+no rename, so a checkpoint is written in place and counts only once its `COMPLETE` marker is
+there, written last, after every rank's files and `meta.json`; a pruned one loses its marker
+first. A crash at any moment leaves at worst a folder without a marker, which the catalogue
+(`launcher.checkpoint.catalog`) never takes and the next save of that step clears. Every rank
+writes its own files straight to the store: nodes need not share a disk.
+
+Each method is called by the ranks the Checkpointer says; none is collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+from typing import Any
+
+from launcher.checkpoint.catalog import Catalog
+from launcher.checkpoint.save_failure import explained_writes, file_writer
+from launcher.errors import RunError
+from launcher.rundir.layout import CheckpointFiles, staging_folder
+from launcher.storage_url import is_remote, storage_options
+
+
+class LocalStore:
+    """Checkpoints in a folder of this machine's file system (shared by every node)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def where(self, step: int) -> Any:
+        """Where the save of `step` writes its files until it is published."""
+        return staging_folder(self.catalog.root, step)
+
+    def prepare(self, where: Any) -> None:
+        """Rank 0, before any rank writes: an empty folder (a crash's leftover is never published)."""
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
+
+    def writer(self, where: Any) -> Any:
+        return file_writer(where)
+
+    def write_file(self, path: Any, data: bytes) -> None:
+        with explained_writes(path), open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def publish(self, where: Any, step: int, meta: str) -> Any:
+        """Rank 0, once every rank's files are written: the checkpoint, complete and in place."""
+        files, final = CheckpointFiles(where), self.catalog.checkpoint(step)
+        self.write_file(files.meta, meta.encode())
+        self.write_file(files.marker, b"")
+        if final.exists():  # never replace a published checkpoint (the plan prevents this)
+            raise RunError(f"{final} already exists; not overwriting it")
+        os.replace(where, final)
+        _fsync_dir(final.parent)
+        return final
+
+    def remove(self, checkpoint: Any) -> None:
+        """Unpublished first, atomically, then deleted."""
+        unpublished = CheckpointFiles(checkpoint).unpublished
+        os.replace(checkpoint, unpublished)
+        shutil.rmtree(unpublished, ignore_errors=True)
+
+    def discard(self, where: Any) -> None:
+        """What a failed save left."""
+        shutil.rmtree(where, ignore_errors=True)
+
+
+class ObjectStore:
+    """Checkpoints under a URL, through fsspec: S3 (s3fs), GCS, Azure, any fsspec store."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.options = storage_options(catalog.root)
+
+    def where(self, step: int) -> Any:
+        return self.catalog.checkpoint(step)  # in place: it counts once its marker is there
+
+    def prepare(self, where: Any) -> None:
+        if CheckpointFiles(where).is_complete:  # never replace a published checkpoint
+            raise RunError(f"{where} already exists; not overwriting it")
+        self.discard(where)  # an interrupted save's files, never published
+        # A folder where the store has folders (file://, a mount); nothing on S3, which has none.
+        where.fs.makedirs(where.path, exist_ok=True)
+
+    def writer(self, where: Any) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # sync_files would fall back to os.sync(), the whole machine's, for a stream with no
+        # file descriptor: an upload is durable once its file is closed.
+        return FsspecWriter(str(where), sync_files=False, **self.options)
+
+    def write_file(self, path: Any, data: bytes) -> None:
+        path.write_bytes(data)
+
+    def publish(self, where: Any, step: int, meta: str) -> Any:
+        files = CheckpointFiles(where)
+        self.write_file(files.meta, meta.encode())
+        self.write_file(files.marker, b"")  # last: now it counts
+        return where
+
+    def remove(self, checkpoint: Any) -> None:
+        CheckpointFiles(checkpoint).marker.unlink()  # unpublished first
+        self.discard(checkpoint)
+
+    def discard(self, where: Any) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            where.fs.rm(where.path, recursive=True)
+
+
+def store_for(catalog: Catalog) -> LocalStore | ObjectStore:
+    return ObjectStore(catalog) if is_remote(catalog.root) else LocalStore(catalog)
+
+
+def reader(checkpoint: Any) -> Any:
+    """DCP's reader for a checkpoint: None (DCP picks its own) for a local folder."""
+    if not is_remote(checkpoint):
+        return None
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(str(checkpoint), **storage_options(checkpoint))
+
+
+def torch_bytes(obj: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _fsync_dir(path: Any) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,80 @@
+"""A real S3 endpoint on loopback for the tests: moto's server (the pattern s3fs's own tests
+use), in a thread of the test process; `train` subprocesses reach it over HTTP, with their
+credentials and endpoint in the environment as a user's would be.
+
+`slow_puts` holds back chosen uploads (a path's ending → seconds), so that a test can kill a
+run in the middle of a save, with some files of a checkpoint in the store and not others."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port
+
+moto_server = pytest.importorskip("moto.server")
+s3fs = pytest.importorskip("s3fs")
+
+BUCKET = "runs"
+
+
+class S3Server(moto_server.ThreadedMotoServer):
+    def __init__(self) -> None:
+        super().__init__(ip_address="127.0.0.1", port=free_port(), verbose=False)
+        self.slow_puts: dict[str, float] = {}
+        # Unique per server: a test greps a run's files for them.
+        self.env = {
+            "AWS_ACCESS_KEY_ID": f"key-{secrets.token_hex(6)}",
+            "AWS_SECRET_ACCESS_KEY": f"secret-{secrets.token_hex(12)}",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self._port}",
+            # No credentials of this machine's user may stand in for missing ones.
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+            "AWS_CONFIG_FILE": "/nonexistent",
+        }
+
+    def _server_entry(self) -> None:
+        from moto.server import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(
+            self._ip_address, self._port, self._held_back(app), threaded=True
+        )
+        self._server_ready_event.set()
+        self._server.serve_forever()
+
+    def _held_back(self, app: Any) -> Any:
+        def held(environ: dict[str, Any], start_response: Any) -> Any:
+            if environ["REQUEST_METHOD"] == "PUT":
+                for ending, seconds in list(self.slow_puts.items()):
+                    if environ.get("PATH_INFO", "").endswith(ending):
+                        time.sleep(seconds)
+            return app(environ, start_response)
+
+        return held
+
+    def filesystem(self) -> Any:
+        return s3fs.S3FileSystem(
+            key=self.env["AWS_ACCESS_KEY_ID"],
+            secret=self.env["AWS_SECRET_ACCESS_KEY"],
+            endpoint_url=self.env["AWS_ENDPOINT_URL"],
+            use_listings_cache=False,
+        )
+
+
+def s3_server() -> Iterator[S3Server]:
+    """A started server with one bucket, `runs`; stopped after."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = S3Server()
+    server.start()
+    try:
+        server.filesystem().mkdir(BUCKET)
+        yield server
+    finally:
+        server.stop()

@@ -35,7 +35,7 @@ from launcher.checkpoint.format import (
 from launcher.checkpoint.save_failure import failing_save
 from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
-from launcher.checkpoint.store import reader, store_for, torch_bytes
+from launcher.checkpoint.store import reader, store_for, torch_bytes, writing_first
 from launcher.parallel.base import Strategy, local_shard
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import open_file
@@ -80,6 +80,10 @@ class Checkpointer:
         self.store = store_for(self.catalog)
         if not is_remote(self.catalog.root):  # a store is every node's: no folder to share
             check_shared_run_dir(strategy, run_dir)  # before the first save, not at it
+        elif strategy.is_main:
+            self.store.clear_unpublished()
+        if is_remote(self.catalog.root):
+            strategy.barrier()  # cleared before any rank writes
         self.strategy = strategy
         self.run_dir = run_dir
         self.protected: set[int] = set()  # steps never pruned: the one this attempt resumed from
@@ -108,19 +112,25 @@ class Checkpointer:
         started = time.perf_counter()
         staging = self.store.where(step)
         with failing_save(self.store, step, self.run_dir):
-            if self.strategy.is_main:
-                self.store.prepare(staging)
-            self.strategy.barrier()
+            if self.store.prepares:  # a folder made before any rank writes into it
+                if self.strategy.is_main:
+                    self.store.prepare(staging)
+                self.strategy.barrier()
             rank_file = CheckpointFiles(staging).rank_state(self.strategy.rank)
-            self.store.write_file(rank_file, torch_bytes(rank_state))
+            data = torch_bytes(rank_state)
             # The store's own writer, and no checkpoint_id: DCP would build a writer anew
-            # from it, without the store's options.
+            # from it, without the store's options. It writes this rank's own file with its
+            # shards, in the background for an async save, so that DCP's gather of every
+            # rank's results covers it.
+            writer = writing_first(
+                self.store.writer(staging), self.store.write_file, rank_file, data
+            )
             if self.use_async:
                 module = getattr(self.model, "model", None)
                 state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}
                 response = dcp.async_save(
                     state,
-                    storage_writer=self.store.writer(staging),
+                    storage_writer=writer,
                     process_group=self._group,
                     **({"async_stager": self._stager} if self._stager else {}),
                 )
@@ -131,7 +141,7 @@ class Checkpointer:
             with _quiet_dcp():
                 dcp.save(
                     state,
-                    storage_writer=self.store.writer(staging),
+                    storage_writer=writer,
                     planner=self.strategy.save_planner(),
                 )
             self._publish(staging, step, meta, started)

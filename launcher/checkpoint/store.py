@@ -8,7 +8,7 @@ complete; a pruned one is renamed away first, then deleted (`launcher.checkpoint
 no rename, so a checkpoint is written in place and counts only once its `COMPLETE` marker is
 there, written last, after every rank's files and `meta.json`; a pruned one loses its marker
 first. A crash at any moment leaves at worst a folder without a marker, which the catalogue
-(`launcher.checkpoint.catalog`) never takes and the next save of that step clears. Every rank
+(`launcher.checkpoint.catalog`) never takes and the next attempt clears as it starts. Every rank
 writes its own files straight to the store: nodes need not share a disk.
 
 Each method is called by the ranks the Checkpointer says; none is collective.
@@ -20,17 +20,20 @@ import contextlib
 import io
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from launcher.checkpoint.catalog import Catalog
 from launcher.checkpoint.save_failure import explained_writes, file_writer
 from launcher.errors import RunError
-from launcher.rundir.layout import CheckpointFiles, staging_folder
+from launcher.rundir.layout import CheckpointFiles, checkpoint_step, staging_folder
 from launcher.storage_url import is_remote, storage_options
 
 
 class LocalStore:
     """Checkpoints in a folder of this machine's file system (shared by every node)."""
+
+    prepares = True  # `prepare` makes the folder every rank writes into
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -78,6 +81,10 @@ class LocalStore:
 class ObjectStore:
     """Checkpoints under a URL, through fsspec: S3 (s3fs), GCS, Azure, any fsspec store."""
 
+    # Nothing to do before a save, so a save costs no round trip to the store before its
+    # writes: an interrupted save's files were cleared when the attempt started.
+    prepares = False
+
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
         self.options = storage_options(catalog.root)
@@ -85,12 +92,15 @@ class ObjectStore:
     def where(self, step: int) -> Any:
         return self.catalog.checkpoint(step)  # in place: it counts once its marker is there
 
-    def prepare(self, where: Any) -> None:
-        if CheckpointFiles(where).is_complete:  # never replace a published checkpoint
-            raise RunError(f"{where} already exists; not overwriting it")
-        self.discard(where)  # an interrupted save's files, never published
-        # A folder where the store has folders (file://, a mount); nothing on S3, which has none.
-        where.fs.makedirs(where.path, exist_ok=True)
+    def clear_unpublished(self) -> None:
+        """Rank 0, as an attempt starts: the files of saves that a crash cut short (step
+        folders without a marker), which a save of the same step must not mix with its own."""
+        if not self.catalog.root.is_dir():
+            return
+        for folder in self.catalog.root.iterdir():
+            files = CheckpointFiles(folder)
+            if checkpoint_step(folder.name) is not None and not files.is_complete:
+                self.discard(folder)
 
     def writer(self, where: Any) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -100,6 +110,8 @@ class ObjectStore:
         return FsspecWriter(str(where), sync_files=False, **self.options)
 
     def write_file(self, path: Any, data: bytes) -> None:
+        # Folders where the store has them (file://, a mount); nothing on S3, which has none.
+        path.fs.makedirs(path.parent.path, exist_ok=True)
         path.write_bytes(data)
 
     def publish(self, where: Any, step: int, meta: str) -> Any:
@@ -115,6 +127,20 @@ class ObjectStore:
     def discard(self, where: Any) -> None:
         with contextlib.suppress(FileNotFoundError):
             where.fs.rm(where.path, recursive=True)
+
+
+def writing_first(writer: Any, write: Callable[[Any, bytes], None], path: Any, data: bytes) -> Any:
+    """DCP's `writer`, which writes `data` to `path` (`write`) as its write starts: in DCP's
+    background thread for an async save, and before DCP gathers every rank's results, which
+    rank 0 waits for before it publishes."""
+    write_data = writer.write_data
+
+    def write_first(plan: Any, planner: Any) -> Any:
+        write(path, data)
+        return write_data(plan, planner)
+
+    writer.write_data = write_first
+    return writer
 
 
 def store_for(catalog: Catalog) -> LocalStore | ObjectStore:

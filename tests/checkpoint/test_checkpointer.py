@@ -191,8 +191,8 @@ def test_a_store_publishes_by_marker_and_prunes_it_first(
     tmp_path: Path, strategy, use_async
 ) -> None:
     """The object store's rules, through fsspec's own local file system (`file://`): no rename,
-    the marker last; a half-written folder is never taken, and the next save of its step
-    clears it; the checkpoint a run resumed from is never pruned."""
+    the marker last; a half-written folder is never taken, and the next attempt clears it as
+    it starts; the checkpoint an attempt resumed from is never pruned."""
     from launcher.checkpoint.catalog import record_store
     from launcher.storage_url import location
 
@@ -202,11 +202,13 @@ def test_a_store_publishes_by_marker_and_prunes_it_first(
     state: dict = {"model": {"w": torch.zeros(4)}}
     saver = _saver(strategy, tmp_path / "run", state, keep_last=1, use_async=use_async)
     saver.save(1)
-    saver.wait()
+    saver.close()
     half = tmp_path / "store" / "step-00000002"
     half.mkdir()
-    (half / "__0_0.distcp").write_bytes(b"an upload cut short")  # no COMPLETE: not taken
+    (half / "__1_0.distcp").write_bytes(b"an upload cut short")  # no COMPLETE: not taken
     assert [p.name for p in saver.catalog.complete()] == ["step-00000001"]
+    saver = _saver(strategy, tmp_path / "run", state, keep_last=1, use_async=use_async)
+    assert not half.exists()  # the next attempt cleared it as it started
     assert saver.load(saver.catalog.checkpoint(1))  # resumed from step 1: never pruned
     for step in (2, 3):
         state["model"] = {"w": torch.full((4,), float(step))}

@@ -71,12 +71,21 @@ def _complete_steps(s3: S3Server, prefix: str) -> list[int]:
     return sorted(int(p.split("/")[-2][5:]) for p in fs.glob(f"{BUCKET}/{prefix}/step-*/COMPLETE"))
 
 
+def _glob(fs: object, pattern: str) -> list[str]:
+    """What matches now: s3fs's glob raises FileNotFoundError when an object it listed is
+    replaced as it looks (DCP writes `.metadata.tmp`, then renames it)."""
+    try:
+        return fs.glob(pattern)  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return []
+
+
 def _kill_in_upload(s3: S3Server, proc: subprocess.Popen[str], pattern: str) -> None:
     """SIGKILLs the run while the file `pattern` names is in the store and the checkpoint's
     meta.json is held back on its way there (its COMPLETE marker would follow it)."""
     fs = s3.filesystem()
     deadline = time.monotonic() + 150
-    while not fs.glob(pattern):
+    while not _glob(fs, pattern):
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"the run ended (or hung) before {pattern} appeared")
         time.sleep(0.05)

@@ -105,9 +105,19 @@ class ObjectStore:
     def writer(self, where: Any) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+        class StoreWriter(FsspecWriter):
+            def prepare_local_plan(self, plan: Any) -> Any:
+                # DCP's own makes the folder and looks for a `.metadata` there, two round
+                # trips before a step goes on. An object store has no folders (write_file
+                # makes them where a store has them), and no save finds another's files:
+                # those of an interrupted save were cleared as the attempt started.
+                if getattr(self, "use_collectives", True):
+                    return plan
+                return super().prepare_local_plan(plan)
+
         # sync_files would fall back to os.sync(), the whole machine's, for a stream with no
         # file descriptor: an upload is durable once its file is closed.
-        return FsspecWriter(str(where), sync_files=False, **self.options)
+        return StoreWriter(str(where), sync_files=False, **self.options)
 
     def write_file(self, path: Any, data: bytes) -> None:
         # Folders where the store has them (file://, a mount); nothing on S3, which has none.

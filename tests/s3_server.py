@@ -3,7 +3,8 @@ use), in a thread of the test process; `train` subprocesses reach it over HTTP, 
 credentials and endpoint in the environment as a user's would be.
 
 `slow_puts` holds back chosen uploads (a path's ending → seconds), so that a test can kill a
-run in the middle of a save, with some files of a checkpoint in the store and not others."""
+run in the middle of a save, with some files of a checkpoint in the store and not others;
+`refused_puts` answers chosen uploads with S3's AccessDenied, which no client retries."""
 
 from __future__ import annotations
 
@@ -21,12 +22,17 @@ moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
 BUCKET = "runs"
+_ACCESS_DENIED = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+    b"<Message>refused by the test</Message></Error>"
+)
 
 
 class S3Server(moto_server.ThreadedMotoServer):
     def __init__(self) -> None:
         super().__init__(ip_address="127.0.0.1", port=free_port(), verbose=False)
         self.slow_puts: dict[str, float] = {}
+        self.refused_puts: set[str] = set()
         # Unique per server: a test greps a run's files for them.
         self.env = {
             "AWS_ACCESS_KEY_ID": f"key-{secrets.token_hex(6)}",
@@ -51,10 +57,14 @@ class S3Server(moto_server.ThreadedMotoServer):
 
     def _held_back(self, app: Any) -> Any:
         def held(environ: dict[str, Any], start_response: Any) -> Any:
+            path = environ.get("PATH_INFO", "")
             if environ["REQUEST_METHOD"] == "PUT":
                 for ending, seconds in list(self.slow_puts.items()):
-                    if environ.get("PATH_INFO", "").endswith(ending):
+                    if path.endswith(ending):
                         time.sleep(seconds)
+                if any(path.endswith(ending) for ending in self.refused_puts):
+                    start_response("403 Forbidden", [("Content-Type", "application/xml")])
+                    return [_ACCESS_DENIED]
             return app(environ, start_response)
 
         return held

@@ -20,6 +20,8 @@ from typing import Any
 
 from launcher.errors import RunError
 from launcher.rundir.layout import CheckpointFiles
+from launcher.safe_text import clean
+from launcher.storage_url import is_remote
 
 # A write that fails with less than this free is taken for a full disk.
 NEARLY_FULL_BYTES = 16 * 2**20
@@ -111,9 +113,37 @@ def failing_save(store: Any, step: int, run_dir: Path) -> Iterator[None]:
         if not CheckpointFiles(where).is_complete:  # published, then pruning failed: kept
             store.discard(where)
         limit = limit_hit(exc)
-        if limit is None:
+        if limit is not None:
+            raise _explained(limit, store, step, run_dir, removed=not where.exists()) from exc
+        if not is_remote(where) or isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        raise _explained(limit, store, step, run_dir, removed=not where.exists()) from exc
+        raise _upload_failed(exc, store, step, run_dir) from exc
+
+
+def first_cause(exc: BaseException) -> str:
+    """The first underlying error, in one line: DCP wraps each failure with its traceback."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    text = clean(str(exc)).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _upload_failed(exc: BaseException, store: Any, step: int, run_dir: Path) -> RunError:
+    """A save to a store that failed after its client's own retries."""
+    newest = store.catalog.latest()
+    kept = (
+        f"earlier checkpoints are intact (newest: {newest.name})"
+        if newest
+        else "no earlier checkpoint was saved"
+    )
+    then = f"continue with --resume {run_dir}" if newest else "run again"
+    return RunError(
+        f"checkpoint {store.catalog.checkpoint(step).name} could not be written to "
+        f"{store.catalog.root} ({first_cause(exc)}); {kept}, and what was written of it was removed",
+        hint=f"Check the store, its credentials and checkpoint.storage_options, then {then}.",
+    )
 
 
 def _explained(limit: OSError, store: Any, step: int, run_dir: Path, removed: bool) -> RunError:

@@ -30,6 +30,7 @@ from torch import nn
 
 from launcher.checkpoint.catalog import Best, catalog_of, checkpoint_in, run_of
 from launcher.checkpoint.format import read_metadata, weights_only_planner
+from launcher.checkpoint.save_failure import first_cause
 from launcher.checkpoint.store import reader
 from launcher.errors import UsageError
 from launcher.parallel.wrapper_names import without_wrappers
@@ -247,16 +248,8 @@ def read_tensors(
             # A missing or truncated shard file: the input's fault, not a bug (--debug shows
             # the traceback underneath).
             raise UsageError(
-                f"{what} {checkpoint}: cannot read the model's tensors ({_cause(exc)})"
+                f"{what} {checkpoint}: cannot read the model's tensors ({first_cause(exc)})"
             ) from exc
-
-
-def _cause(exc: BaseException) -> str:
-    """The first underlying error, in one line: DCP wraps each failure with its traceback."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        exc = next(iter(failures.values()))[0]
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def bare_key(key: str) -> str:

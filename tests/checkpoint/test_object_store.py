@@ -132,6 +132,33 @@ def test_killed_in_an_upload_resumes_from_the_last_complete_one_bitwise(
     _assert_no_secret(run_dir, s3)
 
 
+def test_a_save_the_store_refuses_fails_the_run_and_loses_no_checkpoint(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """Step 4's upload is refused (AccessDenied, after the client's own retries, if any): the
+    run fails, step 2 stays the newest complete checkpoint, nothing of step 4 is left, and a
+    resume continues from step 2 to the end."""
+    spec = _spec(tmp_path, store=f"s3://{BUCKET}/refused/{{run}}", train={"max_steps": 6})
+    s3.refused_puts.add("step-00000004/rank-0.pt")
+    try:
+        failed = run_train(["--config", str(spec)], tmp_path, env=s3.env)
+    finally:
+        s3.refused_puts.clear()
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    said = "could not be written to s3://runs/refused/"  # one line, not DCP's tracebacks
+    assert said in failed.stdout and "refused by the test" in failed.stdout, failed.stdout
+    assert "earlier checkpoints are intact (newest: step-00000002)" in failed.stdout
+    assert "Traceback" not in failed.stdout
+    run_dir = only_run_dir(tmp_path / "runs")
+    store = f"refused/{run_dir.name}"
+    assert _complete_steps(s3, store) == [2]
+    assert not s3.filesystem().glob(f"{BUCKET}/{store}/step-00000004/*")
+    resumed = run_train(["--config", str(spec), "--resume", "latest"], tmp_path, env=s3.env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at step 2" in resumed.stdout
+    assert _complete_steps(s3, store) == [2, 4, 6]
+
+
 def _assert_no_secret(run_dir: Path, s3: S3Server) -> None:
     secrets = [s3.env["AWS_SECRET_ACCESS_KEY"], s3.env["AWS_ACCESS_KEY_ID"]]
     for path in run_dir.rglob("*"):

@@ -38,19 +38,24 @@ def _room(path: Path) -> str:
     return parts[0] if len(parts) > 1 else "top"
 
 
+def _imported_names(source: str) -> set[str]:
+    """What `source` imports: each module, and each `module.name` it imports from one."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
 def _rooms_in(source: str, room: str) -> set[str]:
     """The other rooms of the package that `source` (in `room`) imports."""
     rooms = set()
-    for node in ast.walk(ast.parse(source)):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "launcher" and len(parts) > 1:
-                rooms.add(parts[1] if parts[1] in ROOMS else "top")
+    for name in _imported_names(source):
+        parts = name.split(".")
+        if parts[0] == "launcher" and len(parts) > 1:
+            rooms.add(parts[1] if parts[1] in ROOMS else "top")
     return rooms - {room}
 
 
@@ -82,20 +87,17 @@ def test_imports_go_one_way(path: Path) -> None:
         if room == "runs":  # `train runs` and `train plot` answer without torch
             heavy = imported & {"parallel", "checkpoint"}
             if heavy == {"checkpoint"}:  # its catalogue alone, which is torch-free
-                heavy = {m for m in _modules_imported(path) if m.startswith("launcher.checkpoint")}
-                heavy -= {"launcher.checkpoint.catalog"}
+                names = _imported_names(path.read_text())
+                heavy = {n for n in names if n.startswith("launcher.checkpoint")}
+                heavy -= {"launcher.checkpoint.catalog", *_names_in_catalog()}
             assert not heavy, f"{path} imports torch's rooms"
 
 
-def _modules_imported(path: Path) -> set[str]:
-    """The modules `path` imports from (`from X import y`: X)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return found
+def _names_in_catalog() -> set[str]:
+    """`launcher.checkpoint.catalog.X` for each name the catalogue defines."""
+    tree = ast.parse((PACKAGE / "checkpoint" / "catalog.py").read_text())
+    defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    return {f"launcher.checkpoint.catalog.{name}" for name in defined}
 
 
 def test_the_catalogue_that_train_runs_reads_imports_no_torch() -> None:

@@ -33,13 +33,11 @@ from launcher.checkpoint.format import (
     weights_only_planner,
 )
 from launcher.checkpoint.save_failure import failing_save
-from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.checkpoint.state import LoopState, ModelState
 from launcher.checkpoint.store import reader, store_for, torch_bytes, writing_first
 from launcher.parallel.base import Strategy, local_shard
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import open_file
-from launcher.storage_url import is_remote
 
 # A background save still writing when the next one starts, for longer than this, is worth
 # a warning: shorter waits are noise next to a step.
@@ -78,12 +76,7 @@ class Checkpointer:
     ) -> None:
         self.catalog = catalog_of(run_dir)
         self.store = store_for(self.catalog)
-        if not is_remote(self.catalog.root):  # a store is every node's: no folder to share
-            check_shared_run_dir(strategy, run_dir)  # before the first save, not at it
-        elif strategy.is_main:
-            self.store.clear_unpublished()
-        if is_remote(self.catalog.root):
-            strategy.barrier()  # cleared before any rank writes
+        self.store.start_attempt(strategy, run_dir)  # before the first save, not at it
         self.strategy = strategy
         self.run_dir = run_dir
         self.protected: set[int] = set()  # steps never pruned: the one this attempt resumed from

@@ -21,11 +21,14 @@ import io
 import os
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from launcher.checkpoint.catalog import Catalog
 from launcher.checkpoint.save_failure import explained_writes, file_writer
+from launcher.checkpoint.shared_storage import check_shared_run_dir
 from launcher.errors import RunError
+from launcher.parallel.base import Strategy
 from launcher.rundir.layout import CheckpointFiles, checkpoint_step, staging_folder
 from launcher.storage_url import is_remote, storage_options
 
@@ -37,6 +40,10 @@ class LocalStore:
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
+
+    def start_attempt(self, strategy: Strategy, run_dir: Path) -> None:
+        """Collective, as an attempt starts: every rank must write into the one folder."""
+        check_shared_run_dir(strategy, run_dir)
 
     def where(self, step: int) -> Any:
         """Where the save of `step` writes its files until it is published."""
@@ -92,11 +99,15 @@ class ObjectStore:
     def where(self, step: int) -> Any:
         return self.catalog.checkpoint(step)  # in place: it counts once its marker is there
 
-    def clear_unpublished(self) -> None:
-        """Rank 0, as an attempt starts: the files of saves that a crash cut short (step
-        folders without a marker), which a save of the same step must not mix with its own."""
-        if not self.catalog.root.is_dir():
-            return
+    def start_attempt(self, strategy: Strategy, run_dir: Path) -> None:
+        """Collective, as an attempt starts. A store is every node's: no folder to share. Rank
+        0 clears the files of saves that a crash cut short (step folders without a marker),
+        which a save of the same step must not mix with its own, before any rank writes."""
+        if strategy.is_main and self.catalog.root.is_dir():
+            self._clear_unpublished()
+        strategy.barrier()
+
+    def _clear_unpublished(self) -> None:
         for folder in self.catalog.root.iterdir():
             files = CheckpointFiles(folder)
             if checkpoint_step(folder.name) is not None and not files.is_complete:

@@ -1,30 +1,35 @@
-"""The launcher against hand-written loops and Lightning on one GPU (issues 17 and 32).
+"""The launcher against hand-written loops and Lightning on one GPU (issues 17, 32 and 45).
 
     bash bench/gpu_run.sh                      # on a lent GPU machine (BENCHMARKS.md): every row
-    python bench/gpu_bench.py --only compiled  # rows whose name holds this text
+    python bench/gpu_bench.py --only "fsdp|tiny GPT"  # rows whose name holds either text
     python bench/gpu_bench.py --diagnose       # the fsdp gap one difference at a time
-    python bench/gpu_bench.py --repeat 3       # each row 3 times, round-robin; the median run
+    python bench/gpu_bench.py --repeat 5 --repeat-only "fully_shard|ours fsdp"
+                                               # those rows 5 times, round-robin; the median run
     python bench/gpu_bench.py --smoke          # here, on CPU: every row tiny, to see it works
 
 Rows, on the GPT recipe at 86M parameters (12 x 768, block 1024) in bf16, batches 16 and 32:
 hand-written torchrun DDP (eager), ours eager, Lightning (skipped where it is not installed);
 at batch 32 also the best hand-written loop (no DDP, fused AdamW, torch.compile) and ours
 `train.compile: true`, and both again on GPT-2 small's shape (vocab 50304: 124M with tied
-embeddings; the recipe does not tie them); fsdp at batch 16: ours against hand-written
-`fully_shard`, both gathering bf16 parameters, without and with clipping at 1.0; the tiny GPT
-(0.9M) at batch 64: hand-written DDP, no DDP, Lightning and ours; and async against sync
-checkpoint saves (bench/checkpoint_blocking.py --gpu).
+embeddings; the recipe does not tie them), with ours once more with the recipe's cross entropy
+left eager (bench/gpt_eager_loss.py); `train.float8` against bf16, compiled, 200 steps, with
+the loss every 10 steps; fsdp at batch 16: ours against hand-written `fully_shard`, both
+gathering bf16 parameters, without and with clipping at 1.0, and ours at batch 32; the tiny
+GPT (0.9M) at batch 64: hand-written DDP, no DDP, Lightning and ours; async against sync
+checkpoint saves (bench/checkpoint_blocking.py --gpu); and a batch that does not fit the GPU:
+the launcher's warning before the start, then the batch it names, trained.
 
 Each row runs in its own processes; it gives the median ms/step after the warm-up steps,
 tokens/s, TFLOP/s, MFU (FLOPs counted once per model and batch with the launcher's
 `count_flops`, the same count for every row; the peak from its table) and peak GPU memory
-allocated. The rows the targets compare trace their last steps (ours with `train.profile`,
-the hand-written loop with the same profiler settings), which every row's timing leaves out;
-the traces (gzipped), memory snapshots and each run's output go to traces.tar. Prints a
-markdown table and the target ratios; writes the JSON to $OUT (the device machine's) or
-bench/results/, after every run. A row that fails, or that the time budget (--budget-s)
-leaves no room for, is recorded as such and the others go on (the rows the targets compare
-first), so that one 10-minute device call ends with a table.
+allocated, and for ours the memory the launcher estimated before the start. The rows the
+targets compare trace their last steps in their first run (ours with `train.profile`, the
+hand-written loop with the same profiler settings), which every row's timing leaves out; the
+traces (gzipped), memory snapshots and each run's output go to traces.tar. Prints a markdown
+table and the target ratios; writes the JSON to $OUT (the device machine's) or bench/results/,
+after every run. A row that fails, or that the time budget (--budget-s) leaves no room for, is
+recorded as such and the others go on (the rows the targets compare first), so that one
+10-minute device call ends with a table.
 """
 
 from __future__ import annotations
@@ -72,15 +77,24 @@ TARGETS = {
         "tiny GPT: ours, batch 64", "tiny GPT: Lightning single device, batch 64", 1.0),
     "gpt2_small_compiled_vs_best_handwritten_b32": (
         "GPT-2 small: ours compiled, batch 32", f"GPT-2 small: {BEST}, batch 32", 0.98),
+    "gpt2_small_fused_vs_eager_cross_entropy": (
+        "GPT-2 small: ours compiled, batch 32",
+        "GPT-2 small: ours compiled, the cross entropy eager, batch 32", 1.0),
+    "float8_vs_bf16_compiled_b32": ("float8: ours compiled float8, batch 32, 200 steps",
+                                    "float8: ours compiled bf16, batch 32, 200 steps", 1.0),
 }  # fmt: skip
 TINY_PLAIN = "tiny GPT: hand-written no DDP, batch 64"
+EAGER_LOSS = TARGETS["gpt2_small_fused_vs_eager_cross_entropy"][1]
 MFU_TARGET = ("GPT-2 small: ours compiled, batch 32", 0.45)
 CHECKPOINTS = "checkpoints: async against sync saves, 86M"
+FIT = "memory: a batch that does not fit, then the one its warning names"
 PROFILED_STEPS = 2  # the last steps of a traced row, left out of its timing
 TAR_LIMIT = 15 * 2**20  # the device tool brings back files of up to 16 MiB
 # What ours reports of itself (summary.json), kept beside the bench's own figures.
 LAUNCHER_KEYS = ("flops_per_step", "tflops_per_device", "mfu", "max_memory_reserved_gib",
-                 "dynamo_compilations", "dynamo_compilations_after_warmup")  # fmt: skip
+                 "dynamo_compilations", "dynamo_compilations_after_warmup",
+                 "memory")  # fmt: skip
+MEMORY_KEYS = ("max_memory_allocated_gib", "max_memory_reserved_gib")
 FSDP_BF16 = {"fsdp": {"param_dtype": "bf16"}, "strategy": "fsdp"}
 HAND_FSDP = ["--fsdp", "--param-dtype", "bf16"]
 ROW_LIMIT_S = 300  # a hung row is stopped (a compiled row takes about a minute on an H100)
@@ -107,6 +121,14 @@ def rows(smoke: bool) -> list[dict]:
     for row in (best, compiled):
         out.append({**row, "name": f"GPT-2 small: {row['name']}, batch 32", "model": gpt2,
                     "batch": 32})  # fmt: skip
+    # The recipe's fused (compiled) cross entropy against the eager one it replaced (MFU).
+    out.append({**compiled, "name": EAGER_LOSS, "model": gpt2, "batch": 32,
+                "recipe": REPO / "bench" / "gpt_eager_loss.py"})  # fmt: skip
+    # train.float8 against bf16, both compiled: step time and the loss every 10 steps.
+    for name, extra in (("bf16", {}), ("float8", {"float8": True})):
+        out.append({"name": f"float8: ours compiled {name}, batch 32, 200 steps", "kind": "ours",
+                    "model": big, "batch": 32, "steps": 20 if smoke else 200,
+                    "train": {"compile": True, "log_every": 10, **extra}})  # fmt: skip
     for name, clip in (("", {}), (", clip 1.0", {"grad_clip_norm": 1.0})):
         clip_args = ["--clip", "1.0"] if clip else []
         out += [
@@ -124,6 +146,11 @@ def rows(smoke: bool) -> list[dict]:
         out.append({"name": f"tiny GPT: {name}, batch 64", "kind": kind, "model": tiny,
                     "batch": 64, **extra})  # fmt: skip
     out.append({"name": CHECKPOINTS, "kind": "checkpoints", "model": big, "batch": 16})
+    # The memory estimate against the measured peak: ddp and fsdp at batches 16 and 32 (the
+    # others are rows above), and a batch that does not fit, whose warning names one that does.
+    out.append({"name": "ours fsdp, batch 32", "kind": "ours", "model": big, "batch": 32,
+                **FSDP_BF16})  # fmt: skip
+    out.append({"name": FIT, "kind": "fit", "model": big, "batch": 8 if smoke else 384})
     # A diagnosis, not a target: the optimizer's share of the fsdp gap (ours fuses by default).
     out.append({"name": "ours fsdp, optim.fused false, batch 16", "kind": "ours", "model": big,
                 "batch": 16, "optim": {"fused": False}, **FSDP_BF16})  # fmt: skip
@@ -182,6 +209,7 @@ def run_lightning(row: dict, steps: int, device: str, folder: Path, timeout: flo
 
 
 def run_ours(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:
+    steps = row.get("steps", steps)
     train = {
         "max_steps": steps,
         "log_every": steps,
@@ -194,7 +222,7 @@ def run_ours(row: dict, steps: int, device: str, folder: Path, timeout: float) -
         "run": {"name": "gpu_bench", "output_dir": str(folder)},
         "launch": {"accelerator": "gpu" if device == "cuda" else "cpu", "devices": 1,
                    "strategy": row.get("strategy", "ddp")},
-        "recipe": {"source": str(RECIPE), "model": row["model"],
+        "recipe": {"source": str(row.get("recipe", RECIPE)), "model": row["model"],
                    "dataset": {"block_size": row["model"]["block_size"]}},
         "data": {"batch_size": row["batch"], "shuffle": True},
         "optim": {"name": "AdamW", "lr": 1e-3, "kwargs": {"weight_decay": 0.0},
@@ -203,15 +231,20 @@ def run_ours(row: dict, steps: int, device: str, folder: Path, timeout: float) -
         "checkpoint": {"enabled": False},
         **({"fsdp": row["fsdp"]} if "fsdp" in row else {}),
     }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "run.yaml").write_text(yaml.safe_dump(spec))
     run_dir = folder / "run"
     argv = [TRAIN, "--config", str(folder / "run.yaml"), "--run-dir", str(run_dir)]
     _, wall = run_command(argv, dict(os.environ), timeout, folder / "output.log")
     for found in (run_dir / "profile").glob("*"):
         found.rename(folder / ("trace.json" if found.suffix == ".json" else found.name))
-    summary = json.loads(RunLayout(run_dir).summary.read_text())
+    layout = RunLayout(run_dir)
+    summary = json.loads(layout.summary.read_text())
+    logged = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line]
+    losses = {record["step"]: round(record["loss"], 4) for record in logged if "loss" in record}
     # Every step's time (a sample of them past 1,024 steps), as the Lightning rows list them.
-    return {**summary, "step_times_s": read_sample(RunLayout(run_dir).step_times), "wall_s": wall}
+    return {**summary, "step_times_s": read_sample(layout.step_times), "wall_s": wall,
+            "losses": losses}  # fmt: skip
 
 
 def run_checkpoints(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:
@@ -222,8 +255,30 @@ def run_checkpoints(row: dict, steps: int, device: str, folder: Path, timeout: f
     return json.loads(out.read_text())
 
 
+def run_fit(row: dict, steps: int, device: str, folder: Path, timeout: float) -> dict:
+    """A launch whose batch does not fit the GPU: its warning before the start, and the
+    layout the warning names, trained for a few steps, with its estimate and its peak."""
+    too_big = {**row, "kind": "ours", "profile": False}
+    try:
+        run_ours(too_big, 3, device, folder / "too_big", timeout)
+        first = {"finished": True}  # the estimate was wrong: it fit
+    except CommandFailed as err:
+        first = {"failed": failure_reason(str(err))}
+    output = (folder / "too_big" / "output.log").read_text()
+    warning = next((line.strip() for line in output.splitlines() if "memory: " in line), None)
+    named = re.search(r"data\.batch_size: (\d+)", warning or "")
+    out = {"batch": row["batch"], "warning": warning, "first_run": first}
+    if named:
+        fits = {**too_big, "batch": int(named.group(1))}
+        summary = run_ours(fits, 6, device, folder / "named", timeout)
+        out["named_batch"] = fits["batch"]
+        out["named_run"] = {key: summary.get(key) for key in ("memory", *MEMORY_KEYS)}
+    return out
+
+
 RUNNERS = {
-    "hand": run_hand, "ours": run_ours, "lightning": run_lightning, "checkpoints": run_checkpoints
+    "hand": run_hand, "ours": run_ours, "lightning": run_lightning, "checkpoints": run_checkpoints,
+    "fit": run_fit,
 }  # fmt: skip
 TRAIN = shutil.which("train") or str(Path(sys.executable).parent / "train")
 
@@ -239,11 +294,14 @@ def lightning_version() -> str | None:
 def flops_per_step(model: tuple[tuple[str, int], ...], batch: int) -> int:
     """One forward and backward of the recipe's model at this batch, counted on meta."""
     tokens = torch.zeros(batch, dict(model)["block_size"], dtype=torch.long)
-    return count_flops(load_recipe(str(RECIPE)), dict(model), (tokens, tokens))
+    recipe = load_recipe(str(RECIPE))
+    with torch.device("meta"):
+        meta_model = recipe.build_model(**dict(model))
+    return count_flops(recipe, meta_model, (tokens, tokens))
 
 
 def figures(row: dict, summary: dict, warmup: int, peak: float | None) -> dict:
-    if row["kind"] == "checkpoints":
+    if row["kind"] in ("checkpoints", "fit"):
         return summary
     timed = summary["step_times_s"][warmup:-PROFILED_STEPS]  # every row alike, traced or not
     seconds = statistics.median(timed)
@@ -259,6 +317,8 @@ def figures(row: dict, summary: dict, warmup: int, peak: float | None) -> dict:
         "wall_s": round(summary["wall_s"], 1),  # the whole command: start-up, compile, traces
     }
     reported = {key: summary[key] for key in LAUNCHER_KEYS if summary.get(key) is not None}
+    if len(summary.get("losses", {})) > 1:  # a loss curve: the rows that log every 10 steps
+        out["losses"] = summary["losses"]
     return {**out, **({"launcher_reported": reported} if reported else {})}
 
 
@@ -354,9 +414,10 @@ def ratios(results: dict[str, dict]) -> dict[str, dict]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny rows on CPU, 4 steps each")
-    parser.add_argument("--only", default="", help="rows whose name holds this text")
+    parser.add_argument("--only", default="", help="rows whose name holds this text (a|b: either)")
     parser.add_argument("--diagnose", action="store_true", help="the fsdp gap taken apart")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each row, round-robin")
+    parser.add_argument("--repeat-only", default="", help="repeat only rows holding this (a|b)")
     parser.add_argument("--steps", type=int, help="steps per row (50; 4 with --smoke)")
     parser.add_argument("--warmup", type=int, help="first steps left out (10; 1 with --smoke)")
     parser.add_argument("--budget-s", type=float, help="start no row after this (520 on GPU)")
@@ -380,7 +441,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else None
     peak = peak_flops(name, "bf16" if name else "fp32", True)
     every = diagnosis_rows(args.smoke) if args.diagnose else rows(args.smoke)
-    chosen = [row for row in every if args.only in row["name"]]
+    chosen = [row for row in every if named(row, args.only)]
     record = {
         "device": name or "CPU", "peak_flops": peak, "torch": torch.__version__,
         "lightning": lightning_version(), "steps": args.steps, "warmup": args.warmup,
@@ -393,14 +454,23 @@ def main() -> None:
     report([row["name"] for row in chosen], record, args)
 
 
+def named(row: dict, alternatives: str) -> bool:
+    """Whether the row's name holds one of `a|b|...` (every row for "")."""
+    return any(text in row["name"] for text in alternatives.split("|"))
+
+
 def run_rows(order: list[dict], args: argparse.Namespace, record: dict) -> None:
-    """Each row `--repeat` times, round-robin (a host-bound row's step time moves by 15%
-    between two processes of the same loop); a row's figures are those of its median run.
-    The JSON is rewritten after every run."""
+    """Each row `--repeat` times (those `--repeat-only` names), round-robin (a host-bound
+    row's step time moves by 15% between two processes of the same loop); a row's figures
+    are those of its median run. Only the first round traces. The JSON is rewritten after
+    every run."""
     started = time.monotonic()
     results, runs = record["results"], {row["name"]: [] for row in order}
-    for _ in range(args.repeat):
+    for round_ in range(args.repeat):
         for row in order:
+            if round_ and not named(row, args.repeat_only):
+                continue
+            row = {**row, "profile": row["profile"] and not round_}
             left = args.budget_s - (time.monotonic() - started)
             print(f"== {row['name']} ({time.monotonic() - started:.0f} s in)", flush=True)
             if left < 20:
@@ -422,11 +492,27 @@ def median_run(runs: list[dict]) -> dict:
     return {**middle, "ms_per_step_runs": [r.get("ms_per_step") for r in runs]}
 
 
+def memory_lines(results: dict[str, dict]) -> list[str]:
+    """The launcher's estimate of each row's peak against the peak its run measured, and the
+    fit check's warning and the run of the layout it named."""
+    lines = []
+    for name, r in results.items():
+        memory = r.get("launcher_reported", {}).get("memory") or {}
+        measured = r.get("max_memory_allocated_gib")
+        if "estimated_peak" in memory and measured:
+            estimate = memory["estimated_peak"] / 2**30
+            lines.append(f"{name}: estimated peak {estimate:.2f} GiB, measured (allocated) "
+                         f"{measured:.2f} GiB: x{estimate / measured:.3f}")  # fmt: skip
+    if FIT in results:
+        lines.append(f"{FIT}: {json.dumps(results[FIT])}")
+    return lines
+
+
 def report(names: list[str], record: dict, args: argparse.Namespace) -> None:
     results, peak = record["results"], record["peak_flops"]
     print(f"\n{record['device']}, torch {record['torch']}, {record['lightning'] or 'no Lightning'}")
     print(f"{args.steps} steps per row, median after the first {args.warmup}; peak {peak or '-'}")
-    print(table([n for n in names if n in results and n != CHECKPOINTS], results))
+    print(table([n for n in names if n in results and n not in (CHECKPOINTS, FIT)], results))
     for key, r in record["ratios"].items():
         print(f"{key}: x{r['ratio']} (target >= {r['target']}: {'met' if r['met'] else 'MISSED'})")
     name, target = MFU_TARGET
@@ -441,6 +527,8 @@ def report(names: list[str], record: dict, args: argparse.Namespace) -> None:
               f"{saves['async']['blocked_ms_median']:.0f} ms; target < 10%)")  # fmt: skip
     elif CHECKPOINTS in results:
         print(f"{CHECKPOINTS}: {results[CHECKPOINTS]}")
+    for line in memory_lines(results):
+        print(line)
     if args.smoke:
         print("(smoke: tiny rows, a few CPU steps; the figures show it runs, not how fast)")
     print(f"wrote {args.out}")

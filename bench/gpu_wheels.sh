@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run here, where the package registry is reachable (`make gpu-wheels`): the launcher's
-# dependencies other than torch and numpy, as wheels for the lent GPU machine (Python 3.12,
-# x86-64, no registry), into bench/wheels/ (git ignores it; the device tool carries it:
-# carry ["bench/wheels"]). There, bench/gpu_run.sh installs them and runs bench/gpu_bench.py.
+# dependencies other than torch and numpy, and torchao (train.float8), as wheels for the lent
+# GPU machine (Python 3.12, x86-64, no registry), into bench/wheels/ (git ignores it; the
+# device tool carries it: carry ["bench/wheels"]). There, bench/gpu_run.sh installs them and
+# runs bench/gpu_bench.py.
 #
 # The versions are requirements/dev.txt's pins, and for what those need (pydantic-core,
 # click, pygments, ...) the versions .venv runs, so the GPU machine runs what the tests ran;
@@ -18,9 +19,10 @@ trap 'rm -rf "$scratch"' EXIT
 
 # Pinned name==version lines of .venv (no local paths), to constrain the transitive ones.
 "$python" -m pip freeze --exclude-editable | grep -E '^[A-Za-z0-9_.-]+==' >"$scratch/venv.txt"
-grep -iE '^(pydantic|typer|rich|pyyaml|psutil|safetensors)==' requirements/dev.txt >"$scratch/pins.txt"
-[ "$(wc -l <"$scratch/pins.txt")" -eq 6 ] || {
-    echo "requirements/dev.txt should pin pydantic, typer, rich, PyYAML, psutil, safetensors" >&2
+grep -iE '^(pydantic|typer|rich|pyyaml|psutil|safetensors|torchao)==' requirements/dev.txt >"$scratch/pins.txt"
+[ "$(wc -l <"$scratch/pins.txt")" -eq 7 ] || {
+    echo "requirements/dev.txt should pin pydantic, typer, rich, PyYAML, psutil, safetensors," \
+        "torchao" >&2
     exit 1
 }
 platforms=()

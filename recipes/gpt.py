@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import sysconfig
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -258,4 +259,20 @@ def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     """Mean next-byte cross entropy over every position of the batch."""
     x, y = batch
     logits = model(x)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+# On a GPU the cross entropy is one compiled (fused) kernel each way: eager, autocast casts the
+# bf16 logits to fp32 and log_softmax writes them again, which at GPT-2's 50,304-wide vocabulary
+# took 18% of an H100 step outside any compiled region (BENCHMARKS.md). Compiled, forward reads
+# the bf16 logits once and backward writes their gradient in bf16. On CPU it stays eager: the
+# tests' tiny models gain nothing from a compilation.
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if logits.is_cuda:
+        return _fused_cross_entropy()(logits, targets)
+    return F.cross_entropy(logits, targets)
+
+
+@functools.cache
+def _fused_cross_entropy() -> Callable[..., torch.Tensor]:
+    return torch.compile(F.cross_entropy)  # on first use: importing torch._dynamo takes time

@@ -74,6 +74,16 @@ class TrainSection(Section):
         "tensor cores (`torch.set_float32_matmul_precision('high')`): several times faster, "
         "with a 10-bit mantissa in the products. `false`: full fp32.",
     )
+    float8: bool = Field(
+        False,
+        description="The model's large linear layers compute in float8 (torchao's float8 "
+        "training, tensorwise scaling, as torchtitan does; the output head and layers too "
+        "small to gain stay in `train.precision`). GPUs with float8 tensor cores only "
+        "(compute capability 8.9+: H100, H200, L40S, B200), strategies ddp and fsdp without "
+        "tensor parallelism; needs the `float8` extra (torchao). Pair it with "
+        "`train.compile: true`, which fuses the casts to float8: without it they cost more "
+        "than float8 saves.",
+    )
     ema: EMASection | None = Field(
         None,
         description="An exponential moving average of the weights, e.g. `{decay: 0.999}`, kept "

@@ -22,6 +22,7 @@ from launcher.launch.devices import Devices, resolve_accelerator, resolve_device
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.resume_decision import ResumeDecision, decide_resume
 from launcher.metrics.trackers import check_trackers_usable
+from launcher.parallel import float8
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.plain_number import plain_number
@@ -226,11 +227,22 @@ def _check_options(spec: RunSpec, accelerator: str) -> None:
             "checkpoints are written synchronously",
             hint="Set checkpoint.async=false.",
         )
+    if spec.train.float8:
+        float8.check(accelerator, spec.parallel.tp, _gpu_capability(accelerator))
     if accelerator == "tpu" and spec.train.precision == "fp16":
         raise UsageError(
             "train.precision: fp16 is not supported on TPU",
             hint="Use bf16: TPUs compute in it natively, and it needs no loss scaling.",
         )
+
+
+def _gpu_capability(accelerator: str) -> tuple[int, int] | None:
+    """The first GPU's compute capability; None off GPUs, or where none is visible."""
+    if accelerator != "gpu":
+        return None
+    import torch
+
+    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
 
 
 def _checked_devices(

@@ -18,7 +18,7 @@ class DDPStrategy(TorchDistributedStrategy):
     name = "ddp"
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        self.check_layers(model)
+        self.prepare_layers(model)
         model = model.to(self.device)
         if self.compile:
             self.compile_units(model, shard_units(model, None).modules)

@@ -140,7 +140,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         return self.wrap_model(model)
 
     def _plain(self, model: nn.Module) -> nn.Module:
-        self.check_layers(model)
+        self.prepare_layers(model)
         model.to(self.device)
         units = shard_units(model, self.options.wrap).modules
         checkpoint_activations(units, self.options)
@@ -148,7 +148,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         return model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        self.check_layers(model)
+        self.prepare_layers(model)
         assert self.dims is not None  # set by setup
         mesh = self.dims.build_mesh(self.device.type)
         source = lay_out(model, self.dims, mesh, self.options, self.parallelize, self.compile_units)

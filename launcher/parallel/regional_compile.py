@@ -61,11 +61,13 @@ def cache_use() -> dict[str, int]:
 
 
 def compile_guard() -> CompileGuard:
-    # The first step compiles the blocks' forward and backward; the first evaluation (no
-    # gradients, eval mode) compiles its own graphs, which the loop's `phase` expects.
+    # The blocks' forward and backward compile at their first compiled micro-batch: the
+    # second of step 1, or step 2's where a step has one, since the run's first micro-batch
+    # runs eager while its FLOPs are counted (`launcher.worker.flops`). The first evaluation
+    # (no gradients, eval mode) compiles its own graphs, which the loop's `phase` expects.
     return CompileGuard(
         dynamo_graphs,
-        warmup_steps=1,
+        warmup_steps=2,
         compiler="torch.compile",
         strict_hint="Or mark the changing dimension dynamic, or set train.compile: false.",
     )

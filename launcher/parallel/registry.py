@@ -41,7 +41,7 @@ STRATEGIES = {
         "launcher.parallel.ddp",
         "DDPStrategy",
         ("cpu", "gpu"),
-        train_options=("compile", "tf32"),
+        train_options=("compile", "tf32", "float8"),
         dimensions=True,
     ),
     "fsdp": StrategyInfo(
@@ -50,7 +50,7 @@ STRATEGIES = {
         ("cpu", "gpu"),
         section="fsdp",
         cpu_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
-        train_options=("compile", "tf32"),
+        train_options=("compile", "tf32", "float8"),
         dimensions=True,
     ),
     "xla": StrategyInfo(

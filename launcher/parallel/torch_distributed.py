@@ -15,7 +15,7 @@ from torch import nn
 
 from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
-from launcher.parallel import regional_compile
+from launcher.parallel import float8, regional_compile
 from launcher.parallel.base import Strategy, gradient_norm, local_shard
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.precision import MixedPrecision
@@ -33,13 +33,14 @@ class TorchDistributedStrategy(Strategy):
         *,
         compile: bool = False,  # train.compile
         tf32: bool = True,  # train.tf32
+        float8: bool = False,  # train.float8
         compile_cache: Path | None = None,  # inductor's cache: the run folder's
         parallel: ParallelSection | None = None,  # the spec's degrees (launcher.parallel.dims)
     ) -> None:
         self.parallel = parallel or ParallelSection()
         self.accelerator = accelerator
         self.precision_name = precision
-        self.compile, self.tf32 = compile, tf32
+        self.compile, self.tf32, self.float8 = compile, tf32, float8
         self.guard = regional_compile.compile_guard() if compile else None
         if compile:
             regional_compile.use_cache(compile_cache)
@@ -71,6 +72,19 @@ class TorchDistributedStrategy(Strategy):
         # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
         self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
         mark("process-group")
+
+    def prepare_layers(self, model: nn.Module) -> None:
+        """Before the model is placed and distributed: its layers checked, and swapped for
+        float8 ones under `train.float8` (`launcher.parallel.float8`)."""
+        self.check_layers(model)
+        if self.float8:
+            capability = (
+                torch.cuda.get_device_capability(self.device)
+                if self.device.type == "cuda"
+                else None
+            )
+            float8.check(self.accelerator, self.dims.tp if self.dims else 1, capability)
+            self.say(float8.convert(model))
 
     def check_layers(self, model: nn.Module) -> None:
         """Layers torch cannot run on this run's device, refused in one line, before a

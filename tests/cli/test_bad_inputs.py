@@ -140,6 +140,7 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], list[str], int]] = [
     ),
     ("fsdp-wrap-matches-nothing", ["--strategy", "fsdp", "fsdp.wrap=[Nope]"], {}, ["fsdp.wrap"], 2),
     ("cpu-offload-on-cpu", ["--strategy", "fsdp", "fsdp.cpu_offload=true"], {}, ["cpu_offload"], 2),
+    ("float8-on-cpu", ["train.float8=true"], {}, ["train.float8", "tensor cores", "is on cpu"], 2),
     ("resume-missing", ["--resume", "nowhere"], {}, ["--resume nowhere: no such folder"], 2),
     ("resume-latest-none", ["--resume", "latest"], {}, ["--resume latest", "no run"], 2),
     (

@@ -1,5 +1,5 @@
-"""Parallelism as dimensions (issue 30): ours HSDP and tensor parallelism against the same by
-hand, at 4 processes (gloo, CPU). `make bench` runs it.
+"""Parallelism as dimensions (issues 30 and 43): ours HSDP, tensor and pipeline parallelism
+against the same by hand, at 4 processes (gloo, CPU). `make bench` runs it.
 
     python bench/dims_overhead.py [--train .venv/bin/train] [--repeats 3]
 
@@ -10,7 +10,9 @@ whose arguments are read from that YAML (bench/fsdp_overhead.py's `handwritten_a
 - hsdp: `parallel.dp_replicate: 2` against `fully_shard` per Block and root over a 2-D
   (dp_replicate, dp_shard) mesh;
 - tp: `parallel.tp: 2` against the recipe's `parallelize_module` plan over a (dp_shard, tp)
-  mesh's `tp` axis, then `fully_shard` over `dp_shard`.
+  mesh's `tp` axis, then `fully_shard` over `dp_shard`;
+- pp: `parallel.pp: 2` against torch.distributed.pipelining by hand (bench/handwritten_pipeline.py:
+  the tracer's two stages, `fully_shard` per stage, `Schedule1F1B`, 2 micro-batches).
 
 4 processes on a 2-core machine are oversubscribed: both sides run with OMP_NUM_THREADS=1.
 The ratio is ours over hand-written of each pair's steady-state ms/step; the table shows
@@ -39,6 +41,7 @@ RESULTS = REPO / "bench/results"
 ROWS = {
     "hsdp": ("HSDP, dp_replicate 2 x dp_shard 2", "`fully_shard`, 2-D mesh"),
     "tp": ("TP, dp_shard 2 x tp 2", "`parallelize_module` + `fully_shard`"),
+    "pp": ("PP, pp 2 x dp_shard 2 (1F1B)", "`pipelining` + `fully_shard` per stage"),
 }
 # The mean loss over 80 steps of the same work agrees to float32 rounding; a different batch
 # or initial weights moves it by 1e-2 or more.

@@ -67,6 +67,9 @@ def handwritten_args(config: Path) -> list[str]:
         values["--dp-replicate"] = dims.dp_replicate
     if dims.tp > 1:
         values["--tp"] = dims.tp
+    if dims.pp > 1:
+        values["--pp"] = dims.pp
+        values["--pp-microbatches"] = spec.parallel.pp_microbatches or dims.pp
     return ["--fsdp", *(str(x) for pair in values.items() for x in pair)]
 
 

@@ -6,7 +6,8 @@ FSDP2 instead (`fully_shard` on each Block, then the root), and with `--clip`, t
 `clip_grad_norm_` before each step (the fsdp benchmark). Under `--fsdp`, `--dp-replicate R`
 is HSDP (`fully_shard` over a 2-D (dp_replicate, dp_shard) mesh), and `--tp T` tensor
 parallelism (the recipe's `parallelize_module` plan over a `tp` axis, then `fully_shard` over
-`dp_shard`; the T processes of a group read the same batch) (bench/dims_overhead.py). On a GPU (`--device cuda`, nccl):
+`dp_shard`; the T processes of a group read the same batch), and `--pp P` a pipeline of P
+stages (bench/handwritten_pipeline.py) (bench/dims_overhead.py). On a GPU (`--device cuda`, nccl):
 `--precision bf16` autocast, `--no-ddp` for a plain model, `--compile` (torch.compile of the
 model) and `--fused` AdamW, the fastest loop a user writes by hand (bench/gpu_bench.py).
 
@@ -26,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this")
     parser.add_argument("--dp-replicate", type=int, default=1, help="fsdp: HSDP's replicas")
     parser.add_argument("--tp", type=int, default=1, help="fsdp: tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="fsdp: pipeline stages (1F1B)")
+    parser.add_argument("--pp-microbatches", type=int, default=2, help="fsdp: with --pp")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--param-dtype", choices=["bf16"], default=None, help="fsdp's")
@@ -102,9 +106,13 @@ def main() -> None:
         model.to(device)
     if args.compile:
         model.compile()
-    # The processes of a tensor-parallel group (consecutive ranks) share one data-parallel rank.
+    # The processes of a tensor-parallel group (consecutive ranks) share one data-parallel rank;
+    # so do the stages of a pipeline (the outermost axis).
     dp_rank, dp_size = rank // args.tp, dist.get_world_size() // args.tp
-    if args.fsdp:
+    if args.pp > 1:
+        dp_size = dist.get_world_size() // args.pp
+        dp_rank = rank % dp_size
+    elif args.fsdp:
         shard(model, args, device)
     elif not args.no_ddp:
         model = DDP(model, device_ids=[device.index] if cuda else None)
@@ -124,6 +132,15 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, **fused)
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
+    if args.pp > 1:  # bench/handwritten_pipeline.py's loop, with the same data
+        from handwritten_pipeline import train_steps
+
+        example = next(iter(loader))[0]
+        step_times, loss_sum, first_step_end_unix = train_steps(
+            args, model, endless(loader, sampler), example
+        )
+        finish(args, step_times, loss_sum, first_step_end_unix, cuda)
+        return
     epoch = 0
     sampler.set_epoch(epoch)
     batches = iter(loader)
@@ -166,6 +183,27 @@ def main() -> None:
         profiler.__exit__(None, None, None)
         profiler.export_chrome_trace(str(args.trace))
 
+    finish(args, step_times, loss_sum, first_step_end_unix, cuda)
+
+
+def endless(loader: DataLoader, sampler: DistributedSampler) -> Iterator[list[torch.Tensor]]:
+    """The loader's batches, epoch after epoch, as the loop above takes them."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def finish(
+    args: argparse.Namespace,
+    step_times: list[float],
+    loss_sum: torch.Tensor,
+    first_step_end_unix: float | None,
+    cuda: bool,
+) -> None:
+    """Rank 0's summary (--out), the same format the launcher's worker writes."""
+    rank = dist.get_rank()
     dist.all_reduce(loss_sum)  # the sum over every rank; each of a tp group has the same loss
     final_loss = loss_sum.item() / (len(step_times) * dist.get_world_size())
     if rank == 0:

@@ -257,9 +257,19 @@ def parallelize(model: GPT, mesh: object) -> None:
 
 def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean next-byte cross entropy over every position of the batch."""
-    x, y = batch
-    logits = model(x)
-    return cross_entropy(logits.flatten(0, 1), y.flatten())
+    inputs, targets = split_batch(batch)
+    return loss_from_output(model(inputs), targets)
+
+
+def split_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What of a batch the model takes, and what its output is compared with: a pipeline
+    (`parallel.pp`) feeds the first to its first stage and the second to the loss."""
+    return batch
+
+
+def loss_from_output(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of the model's output: under a pipeline, computed on its last stage."""
+    return cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 # On a GPU the cross entropy is one compiled (fused) kernel each way: eager, autocast casts the

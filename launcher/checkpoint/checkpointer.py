@@ -36,6 +36,7 @@ from launcher.checkpoint.save_failure import failing_save
 from launcher.checkpoint.state import LoopState, ModelState
 from launcher.checkpoint.store import reader, store_for, torch_bytes, writing_first
 from launcher.parallel.base import Strategy, local_shard
+from launcher.parallel.dims import ParallelDims
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import open_file
 
@@ -270,10 +271,18 @@ def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any]
 
 def same_data_ranks(meta: dict[str, Any], strategy: Strategy) -> bool:
     """Whether each rank of this run takes the data the same rank of the checkpoint's took:
-    the same world, and the same tensor-parallel degree (which maps ranks to data-parallel
-    ranks). Sharding and replication change nothing of it."""
-    same_world = meta.get("world_size") == strategy.world_size
-    return same_world and meta.get("tp", 1) == strategy.tp_degree
+    the same world, and every rank at the same data-parallel rank (the layout's, read from
+    the checkpoint's meta: `ParallelDims.from_record`)."""
+    world = strategy.world_size
+    if meta.get("world_size") != world:
+        return False
+    saved = saved_layout(meta)
+    return all(saved.dp_rank(r) == strategy.layout.dp_rank(r) for r in range(world))
+
+
+def saved_layout(meta: dict[str, Any]) -> ParallelDims:
+    """The dimensions of the run that wrote a checkpoint, from its meta.json."""
+    return ParallelDims.from_record(meta.get("layout"), meta["world_size"], meta.get("tp", 1))
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from launcher.cli.memory_check import estimate_for, estimate_line
 from launcher.cli.model_checks import (
     meta_limit,
     optimizer_builds,
+    pipeline_fits,
     tensor_parallel_split,
     weights_fit,
 )
@@ -67,6 +68,8 @@ def dry_build(spec: RunSpec, origin: str = "") -> str:
         parts.append(weights_fit(spec.load, model))
     if spec.parallel.tp > 1:
         check_plan(model, recipe.parallelize_hook(), spec.parallel.tp)
+    if spec.parallel.pp > 1:
+        parts.append(pipeline_fits(spec, recipe, model))
     train_part, batch = _train_summary(recipe, spec)
     parts.append(train_part)
     if spec.eval.every_n_steps is not None:

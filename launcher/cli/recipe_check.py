@@ -104,4 +104,8 @@ def check_recipe(spec: RunSpec, sources: dict[str, str]) -> None:
     from launcher.launch.reaper import children_reaped
 
     with children_reaped():  # a process the recipe starts as it is imported ends here
-        load_checked(spec, sources.get("recipe.source", ""))
+        recipe = load_checked(spec, sources.get("recipe.source", ""))
+        if spec.parallel.pp > 1 and spec.launch.strategy == "fsdp":
+            from launcher.cli.model_checks import pipeline_fits
+
+            pipeline_fits(spec, recipe)  # the stages, on the meta device, before any start

@@ -10,9 +10,39 @@ from pydantic import Field
 from launcher.config.section import Section
 
 Degree = Annotated[int, Field(ge=1)] | Literal["auto"]
+# torch.distributed.pipelining's schedules by the names torchtitan gives them.
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 
 
 class ParallelSection(Section):
+    pp: int = Field(
+        1,
+        ge=1,
+        description="Pipeline-parallel degree: the model cut into `pp` stages (after the "
+        "split points, or evenly along its repeated blocks), each held by one group of "
+        "processes, which pass activations forward and gradients back (torch's "
+        "`torch.distributed.pipelining`). The outermost axis: its groups may span nodes. "
+        "fsdp only; the recipe gives `split_batch` and `loss_from_output` "
+        "(docs/fsdp-and-parallelism.md, 'Pipeline parallelism').",
+    )
+    pp_schedule: PipelineSchedule = Field(
+        "1F1B",
+        description="How the stages take the micro-batches: `GPipe` (every forward, then "
+        "every backward), `1F1B` (one forward, one backward: fewer activations held), "
+        "`Interleaved1F1B` and `ZBVZeroBubble` (two stages per process: smaller bubbles).",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches each step's batch is cut into for the pipeline; must "
+        "divide `data.batch_size`. Unset: `pp` (one per stage).",
+    )
+    pp_split_points: list[str] | None = Field(
+        None,
+        description="Where stages begin, by module name (e.g. `[blocks.4]`): `pp - 1` "
+        "names, or `2 * pp - 1` for the two-stage schedules. Unset: the model's repeated "
+        "blocks (those `fsdp.wrap` finds) divided evenly.",
+    )
     dp_replicate: Degree | None = Field(
         None,
         description="Data-parallel replicas of the model. Under fsdp, more than 1 is HSDP: each "
@@ -46,6 +76,8 @@ def kept_on_resume(strategy: str, name: str, value: Any) -> bool:
     the xla strategies lay the model out themselves and keep none. What is kept is checked
     against the world at launch (`launcher.parallel.dims`)."""
     if strategy == "fsdp":
+        return True
+    if name.startswith("pp_"):  # how a pipeline runs: nothing without one
         return True
     if strategy == "ddp" and name == "dp_replicate":
         return value in (None, "auto")

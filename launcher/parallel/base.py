@@ -17,6 +17,7 @@ from torch import nn
 
 from launcher.parallel import rng
 from launcher.parallel.dims import ParallelDims
+from launcher.parallel.pipeline_input import PipelineInput
 from launcher.parallel.weight_init import WeightInit
 from launcher.startup_trace import mark
 
@@ -42,10 +43,12 @@ class Strategy(ABC):
         factory: Callable[[], nn.Module],
         init: WeightInit,
         parallelize: Callable[[nn.Module, Any], Any] | None = None,
+        pipeline: PipelineInput | None = None,
     ) -> nn.Module:
         """Build the recipe's model (`factory`), initialise it (`init`), place it and make it
         distributed. `parallelize`: the recipe's tensor-parallel plan, for a backend with a
-        `tp` dimension (`launcher.parallel.tensor_parallel`)."""
+        `tp` dimension (`launcher.parallel.tensor_parallel`); `pipeline`: what a backend with
+        a `pp` dimension cuts the model by (`launcher.parallel.pipeline`)."""
         model = self.wrap_model(init.build(factory))
         mark("model-built")
         return model
@@ -75,6 +78,33 @@ class Strategy(ABC):
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None: ...
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_of: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]],
+        accum: int,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One micro-batch's forward (`loss_of(model, batch)`: the recipe's loss and metrics)
+        and backward, its loss divided by `accum` (the micro-batches of a step) for the
+        gradients; returns the loss and metrics. A pipeline runs its schedule instead."""
+        with self.autocast():
+            loss, metrics = loss_of(model, batch)
+        self.backward(loss / accum if accum > 1 else loss)
+        return loss, metrics
+
+    def evaluate_batch(
+        self,
+        model: nn.Module,
+        batch: Any,
+        evaluate: Callable[[nn.Module, Any], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """One evaluation batch's metrics (`evaluate(model, batch)`, the recipe's), under
+        autocast and no_grad where the caller set it. A pipeline runs its schedule's forward
+        and gives the loss alone."""
+        with self.autocast():
+            return evaluate(model, batch)
 
     @abstractmethod
     def finish_gradients(
@@ -225,19 +255,25 @@ class Strategy(ABC):
     @property
     def dp_rank(self) -> int:
         """This process's data-parallel rank: which share of the data it takes. The processes
-        of one tensor-parallel group share one."""
-        return self.dims.dp_rank(self.rank) if self.dims else self.rank
+        of one tensor-parallel group, and the stages of one pipeline, share one."""
+        return self.layout.dp_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: the processes (groups) that each take their own batches."""
-        return self.dims.dp_size if self.dims else self.world_size
+        return self.layout.dp_size
+
+    @property
+    def layout(self) -> ParallelDims:
+        """The run's dimensions; every process a data-parallel replica where the backend has
+        none of its own (the xla strategies)."""
+        return self.dims or ParallelDims(dp_replicate=self.world_size)
 
     @property
     def tp_degree(self) -> int:
         """Processes of one tensor-parallel group (1: none): they share one data-parallel
         rank."""
-        return self.dims.tp if self.dims else 1
+        return self.layout.tp
 
     @property
     def replicas(self) -> int:

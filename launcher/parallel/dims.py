@@ -1,9 +1,11 @@
 """The dimensions of parallelism of a run, and the device mesh they make.
 
-The world is a grid of `dp_replicate x dp_shard x tp` processes, in that order, tensor
-parallelism innermost: the `tp` processes of one group are consecutive ranks, so they stay
-on one node and its fast links. A process's data-parallel rank is its row in that grid:
-every process of a tensor-parallel group gets the same batch.
+The world is a grid of `pp x dp_replicate x dp_shard x tp` processes, in that order: pipeline
+stages outermost (their groups may span nodes: a stage passes one activation per micro-batch),
+tensor parallelism innermost (the `tp` processes of one group are consecutive ranks, so they
+stay on one node and its fast links). A process's coordinates in that grid say everything of
+its place: its data-parallel rank is its (dp_replicate, dp_shard) coordinate, so every process
+of a tensor-parallel group and every stage of a pipeline gets the same batch.
 
 Used by both processes: the launcher checks the degrees against the world before anything
 starts (`resolve_dims`), and each worker builds the mesh from the same answer. Modelled on
@@ -18,7 +20,7 @@ from typing import Any
 from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 DOCS = "docs/fsdp-and-parallelism.md, 'Parallelism as dimensions'"
 
 
@@ -27,18 +29,42 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: groups of processes that each take their own batch."""
         return self.dp_replicate * self.dp_shard
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s place on each axis of the grid (`MESH_AXES`, the last varying fastest)."""
+        place = {}
+        for axis, degree in reversed(list(zip(MESH_AXES, self.astuple(), strict=True))):
+            rank, place[axis] = divmod(rank, degree)
+        return place
+
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        place = self.coordinates(rank)
+        return place["dp_replicate"] * self.dp_shard + place["dp_shard"]
+
+    def pp_rank(self, rank: int) -> int:
+        return self.coordinates(rank)["pp"]
+
+    def as_record(self) -> dict[str, int]:
+        """The layout as a checkpoint's meta.json keeps it (`from_record` reads it back)."""
+        return dict(zip(MESH_AXES, self.astuple(), strict=True))
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None, world: int, tp: int = 1) -> ParallelDims:
+        """A layout `as_record` wrote; for a checkpoint older than it, which kept `tp` alone,
+        the layout that maps its ranks to data ranks alike."""
+        if record:
+            return cls(**{axis: int(record.get(axis, 1)) for axis in MESH_AXES})
+        return cls(dp_replicate=max(1, world // tp), tp=tp)
 
     @property
     def hybrid(self) -> bool:
@@ -56,13 +82,13 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
     def describe(self) -> str:
-        """e.g. `dp_replicate 2 x dp_shard 2 x tp 2`, leaving out the degrees of 1."""
+        """e.g. `pp 2 x dp_shard 2 x tp 2`, leaving out the degrees of 1."""
         named = [f"{axis} {degree}" for axis, degree in zip(MESH_AXES, self.astuple(), strict=True)]
         shown = [text for text, degree in zip(named, self.astuple(), strict=True) if degree > 1]
         return " x ".join(shown) or "1 process"
 
-    def astuple(self) -> tuple[int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.tp
+    def astuple(self) -> tuple[int, int, int, int]:
+        return self.pp, self.dp_replicate, self.dp_shard, self.tp
 
 
 def data_mesh(mesh: Any) -> Any | None:
@@ -82,7 +108,8 @@ def resolve_dims(
         return _ddp_dims(section, world)
     if strategy == "fsdp":
         return _fsdp_dims(section, world, per_node)
-    given = [key for key, value in section.model_dump().items() if value not in (None, 1)]
+    degrees = {axis: getattr(section, axis) for axis in MESH_AXES}
+    given = [key for key, value in degrees.items() if value not in (None, 1)]
     if given:
         raise UsageError(
             f"parallel.{given[0]}: launch.strategy {strategy} has no such dimension; the "
@@ -93,11 +120,11 @@ def resolve_dims(
 
 
 def _ddp_dims(section: ParallelSection, world: int) -> ParallelDims:
-    if section.tp > 1 or section.dp_shard not in (None, 1):
-        key = "tp" if section.tp > 1 else "dp_shard"
+    if section.pp > 1 or section.tp > 1 or section.dp_shard not in (None, 1):
+        key = "pp" if section.pp > 1 else "tp" if section.tp > 1 else "dp_shard"
         raise UsageError(
             f"parallel.{key}: ddp keeps a whole replica of the model in every process; "
-            "sharding and tensor parallelism need launch.strategy: fsdp",
+            "sharding, pipelines and tensor parallelism need launch.strategy: fsdp",
             hint="Set launch.strategy: fsdp; with parallel.dp_shard: 1 it replicates the model "
             f"as ddp does ({DOCS}).",
         )
@@ -118,20 +145,38 @@ def _fsdp_dims(section: ParallelSection, world: int, per_node: int) -> ParallelD
             "tensor-parallel group would span nodes, whose links are too slow for it",
             hint=f"Choose a tp that divides {per_node}.",
         )
-    nodes = max(1, world // per_node)
+    pp = section.pp
+    if world % pp:
+        raise UsageError(
+            f"parallel.pp: {pp} stages do not divide the {world} processes of this run",
+            hint=f"Choose a pp that divides {world}.",
+        )
+    stage_world = world // pp  # the processes of one stage
+    nodes = max(1, stage_world // per_node)
     replicate, shard = section.dp_replicate, section.dp_shard
     if replicate == "auto":
         replicate = nodes
     if replicate is None:  # the rest of the world where dp_shard is given, else 1
-        replicate = _rest(world, shard * tp) if isinstance(shard, int) else 1
+        replicate = _rest(stage_world, shard * tp) if isinstance(shard, int) else 1
     if shard in (None, "auto"):
-        shard = _rest(world, replicate * tp)
-    dims = ParallelDims(int(replicate), int(shard), tp)  # type: ignore[arg-type]
-    if dims.world != world or not replicate or not shard:
+        shard = _rest(stage_world, replicate * tp)
+    dims = ParallelDims(int(replicate), int(shard), tp, pp)  # type: ignore[arg-type]
+    if pp > 1 and section.pp_schedule == "ZBVZeroBubble" and dims.dp_size > 1:
+        # Its backward computes weight gradients after the input gradients, apart, and FSDP
+        # reduces them before they are all there: wrong gradients, without an error.
         raise UsageError(
-            f"parallel: dp_replicate {_shown(section.dp_replicate, replicate)} x dp_shard "
-            f"{_shown(section.dp_shard, shard)} x tp {tp} does not make the {world} processes "
-            "of this run",
+            "parallel.pp_schedule: ZBVZeroBubble runs each backward in two parts, which "
+            f"fsdp's gradient reduction does not follow; this layout has {dims.dp_size} "
+            "data-parallel ranks",
+            hint="Use Interleaved1F1B (two stages per process as well), or ZBVZeroBubble "
+            "with the pipeline (and tp) alone.",
+        )
+    if dims.world != world or not replicate or not shard:
+        stages = f"pp {pp} x " if pp > 1 else ""
+        raise UsageError(
+            f"parallel: {stages}dp_replicate {_shown(section.dp_replicate, replicate)} x "
+            f"dp_shard {_shown(section.dp_shard, shard)} x tp {tp} does not make the {world} "
+            "processes of this run",
             hint="Choose degrees whose product is the world size (the devices times the "
             "nodes), or leave one of dp_replicate or dp_shard unset to take what is left.",
         )

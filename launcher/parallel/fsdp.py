@@ -29,6 +29,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from launcher.config.spec import FSDPSection
 from launcher.metrics.memory import local_bytes, size_text
 from launcher.parallel.dims import ParallelDims, data_mesh
+from launcher.parallel.grad_norm import pipeline_norm
+from launcher.parallel.pipeline import Pipeline, StageParts, build_pipeline
+from launcher.parallel.pipeline_input import PipelineInput
 from launcher.parallel.precision import dtype_of
 from launcher.parallel.shard_units import shard_units
 from launcher.parallel.sharded_init import MetaBuildFailed, UnsetByInit, build_on_meta, initialize
@@ -40,6 +43,7 @@ from launcher.parallel.weight_init import WeightInit
 class FSDPStrategy(TorchDistributedStrategy):
     name = "fsdp"
     parallelize: ParallelizeHook | None = None  # the recipe's tensor-parallel plan
+    pipeline: Pipeline | None = None  # parallel.pp: this process's stages and their schedule
 
     def __init__(
         self, accelerator: str, precision: str, options: FSDPSection, **train: Any
@@ -59,8 +63,12 @@ class FSDPStrategy(TorchDistributedStrategy):
         factory: Callable[[], nn.Module],
         init: WeightInit,
         parallelize: ParallelizeHook | None = None,
+        pipeline: PipelineInput | None = None,
     ) -> nn.Module:
         self.parallelize = parallelize
+        if self.dims is not None and self.dims.pp > 1:
+            assert pipeline is not None  # the loop gives it where parallel.pp asks for stages
+            return self._build_stages(init.build(factory), pipeline)
         if not shards_the_model(self.options, self.world_size):
             self.say(
                 "fsdp: 1 process, nothing to shard: the model runs unwrapped, as ddp's does "
@@ -115,6 +123,53 @@ class FSDPStrategy(TorchDistributedStrategy):
         else:
             self.say(f"fsdp.init: {choice}: {exact} initialised each rank's shards (meta device)")
         return model
+
+    def _build_stages(self, model: nn.Module, given: PipelineInput) -> nn.Module:
+        """This process's pipeline stages of `model` (built whole on CPU, as ddp builds it:
+        every stage starts from ddp's weights), each laid out as fsdp lays out a model."""
+        assert self.dims is not None
+        self.prepare_layers(model)
+        mesh = self.dims.build_mesh(self.device.type)
+        runner, stages = build_pipeline(
+            model, given, self.parallel, self.options.wrap, self.dims, self.rank, mesh,
+            self.device, self.precision.example_autocast,
+        )  # fmt: skip
+        for stage in stages.modules:
+            if data_mesh(mesh) is None:  # pipeline and tensor parallelism alone: not sharded
+                stage.to(self.device)
+            with warnings.catch_warnings():  # a plan's layers that other stages hold
+                warnings.filterwarnings("ignore", message="Parallelize plan key")
+                lay_out(stage, self.dims, mesh, self.options, self.parallelize, self.compile_units)
+        self.pipeline = runner
+        self.say(runner.describe())
+        return StageParts(stages.modules)
+
+    def forward_backward(
+        self, model: nn.Module, batch: Any, loss_of: Callable[..., Any], accum: int
+    ) -> tuple[Any, dict[str, Any]]:
+        if self.pipeline is None:
+            return super().forward_backward(model, batch, loss_of, accum)
+        with self.autocast():
+            return self.pipeline.step(batch), {}
+
+    def evaluate_batch(
+        self, model: nn.Module, batch: Any, evaluate: Callable[..., Any]
+    ) -> dict[str, Any]:
+        if self.pipeline is None:
+            return super().evaluate_batch(model, batch, evaluate)
+        with self.autocast():
+            return {"loss": self.pipeline.evaluate(batch)}
+
+    def finish_gradients(self, model: nn.Module, optimizer: Any, max_norm: float | None) -> Any:
+        if self.pipeline is None:
+            return super().finish_gradients(model, optimizer, max_norm)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return pipeline_norm(grads, max_norm, self.pipeline.group, self.device)
+
+    def agree_buffers(self, model: nn.Module) -> None:
+        if self.pipeline is None:
+            return super().agree_buffers(model)
+        self.pipeline.agree_buffers(model)
 
     def _materialise(self, model: nn.Module, init: WeightInit) -> nn.Module:
         self.wrap_model(model)

@@ -63,3 +63,25 @@ def _squares(shards: list[torch.Tensor], mesh: Any, axes: tuple[int, ...]) -> to
     for axis in axes:
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
     return squares
+
+
+def pipeline_norm(
+    grads: list[torch.Tensor], max_norm: float | None, group: Any, device: torch.device
+) -> torch.Tensor:
+    """The global norm of a pipeline's gradients, clipping them to `max_norm` when set: each
+    process holds its stages' (sharded or whole), whose squares add up over the pipeline's
+    `group` (the stages hold different parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    local = sharded_norm(grads, None)  # over the stage's data and tensor-parallel axes
+    if local is None:
+        plain = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+        local = torch.nn.utils.get_total_norm(plain) if plain else torch.zeros((), device=device)
+    squares = local.to(device, torch.float32).square()
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    total = squares.sqrt()
+    if max_norm is not None and grads:
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(shards, coefficient.to(shards[0].device))
+    return total

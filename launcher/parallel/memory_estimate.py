@@ -46,11 +46,12 @@ class Layout:
     fsdp: FSDPSection
     precision: str = "fp32"  # autocast's dtype, as `train.precision` names it
     batch_size: int = 1  # samples in one micro-batch on one data-parallel rank
+    stage: str | None = None  # under a pipeline: which stage, e.g. `stage 1 of 2`
 
     def describe(self) -> str:
         return (
             f"{self.strategy}, {self.dims.describe()}, {self.precision}, micro-batch of "
-            f"{self.batch_size}"
+            f"{self.batch_size}" + (f", {self.stage}" if self.stage else "")
         )
 
 

@@ -75,6 +75,16 @@ class MixedPrecision:
         with torch.autocast(self.device_type, dtype=self.dtype):
             yield
 
+    @contextlib.contextmanager
+    def example_autocast(self) -> Iterator[None]:
+        """The same autocast on CPU: for a run on the model's CPU copy whose dtypes stand for
+        the device's (a pipeline's example activations)."""
+        if self.dtype == torch.float32:
+            yield
+            return
+        with torch.autocast("cpu", dtype=self.dtype):
+            yield
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 

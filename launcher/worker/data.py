@@ -280,3 +280,13 @@ def total_steps(train: TrainSection, steps_per_epoch: int | None) -> int:
     if train.max_epochs and steps_per_epoch:
         limits.append(train.max_epochs * steps_per_epoch)
     return int(min(limits))
+
+
+def example_batch(dataset: Dataset, size: int, collate: Callable[..., Any] | None) -> Any:
+    """A batch of the dataset's first `size` samples, collated as training collates them: the
+    shapes a pipeline's stages are traced with (`launcher.parallel.pipeline`)."""
+    if isinstance(dataset, IterableDataset):
+        samples = [sample for sample, _ in zip(dataset, range(size), strict=False)]
+    else:
+        samples = [dataset[i] for i in range(min(size, len(dataset)))]  # type: ignore[arg-type]
+    return (collate_fn(collate, "train") or default_collate)(samples)

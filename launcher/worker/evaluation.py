@@ -123,8 +123,7 @@ class Evaluator:
             taken += 1
             if weight is None:
                 weight = batch_size(batch)
-            with self.strategy.autocast():
-                metrics = self.recipe.evaluate(model, batch)
+            metrics = self.strategy.evaluate_batch(model, batch, self.recipe.evaluate)
             if sums and sorted(metrics) != sorted(sums):
                 raise RunError(
                     f"recipe: evaluate() returned {sorted(metrics)} for one batch and "

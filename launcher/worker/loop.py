@@ -18,10 +18,17 @@ from launcher.metrics.sink_types import RunEnd
 from launcher.metrics.sinks import build_sinks
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy
+from launcher.parallel.pipeline_input import PipelineInput
 from launcher.parallel.rng import rank_seed
 from launcher.parallel.weight_init import WeightInit
 from launcher.rundir.layout import RunLayout
-from launcher.worker.data import batch_size, build_feed, steps_per_epoch, total_steps
+from launcher.worker.data import (
+    batch_size,
+    build_feed,
+    example_batch,
+    steps_per_epoch,
+    total_steps,
+)
 from launcher.worker.ema import WeightAverage
 from launcher.worker.evaluation import Evaluator
 from launcher.worker.flops import Speed
@@ -60,6 +67,7 @@ class Trainer:
         self.resume_from = strategy.from_main(attempt_start(resume_from, run_dir, attempt))
         if attempt:
             print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
+        self._train_dataset: Any = None  # built before the model where a pipeline needs it
         self.model = self._build_model()
         self.feed = self._train_feed()
         per_epoch = self.feed.batches_per_epoch  # None: a stream, which has no epochs
@@ -96,10 +104,23 @@ class Trainer:
             lambda: recipe.build_model(**spec.recipe.model),
             WeightInit(recipe, spec.run.seed),
             recipe.parallelize_hook(),
+            self._pipeline_input() if spec.parallel.pp > 1 else None,
         )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
         return model
+
+    def _pipeline_input(self) -> PipelineInput:
+        """What the strategy cuts the model into pipeline stages by (`parallel.pp`)."""
+        spec, hooks = self.spec, self.recipe.pipeline_hooks()
+        self._train_dataset = self.recipe.build_dataset("train", **spec.recipe.dataset)
+        example = example_batch(
+            self._train_dataset, spec.data.batch_size, self.recipe.collate_hook()
+        )
+        return PipelineInput(
+            hooks.split, hooks.loss_from_output, example, spec.data.batch_size,
+            spec.train.grad_accum_steps,
+        )  # fmt: skip
 
     def _build_optimizer(self) -> None:
         """The parameter groups, the optimizer, its schedule and the weights' average."""
@@ -117,8 +138,11 @@ class Trainer:
 
     def _train_feed(self) -> Any:
         spec, strategy = self.spec, self.strategy
+        dataset = self._train_dataset
+        if dataset is None:
+            dataset = self.recipe.build_dataset("train", **spec.recipe.dataset)
         return build_feed(
-            self.recipe.build_dataset("train", **spec.recipe.dataset),
+            dataset,
             spec.data,
             spec.train,
             strategy.dp_rank,
@@ -281,9 +305,9 @@ class Trainer:
             samples += batch_size(batch)
             sync = i == accum - 1
             with self.strategy.sync_gradients(self.model, sync), self.speed.counting(batch):
-                with self.strategy.autocast():
-                    loss, metrics = self.recipe.loss(self.model, batch)
-                self.strategy.backward(loss / accum if accum > 1 else loss)
+                loss, metrics = self.strategy.forward_backward(
+                    self.model, batch, self.recipe.loss, accum
+                )
             # Accumulate on the device: reading a value here would stall the pipeline.
             loss = loss.detach().float()
             total_loss = loss if total_loss is None else total_loss + loss

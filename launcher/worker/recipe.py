@@ -22,7 +22,12 @@ batch's `"num_samples": len(samples)` (an int, left in the batch the loss gets);
 `launcher.worker.data.batch_size`. And
   parallelize(model, mesh)
 to split the model's layers over the `tp` axis of the device mesh (`parallel.tp`), e.g. with
-torch's `parallelize_module` (`launcher.parallel.tensor_parallel`).
+torch's `parallelize_module` (`launcher.parallel.tensor_parallel`). And, for pipeline
+parallelism (`parallel.pp`: the loss runs on the last stage's output), both of
+  split_batch(batch) -> (inputs, targets)
+  loss_from_output(output, targets) -> Tensor
+where `inputs` (a tensor or a tuple of them) is what the model's forward takes, and `loss` is
+`loss_from_output(model(*inputs), targets)`.
 """
 
 from __future__ import annotations
@@ -46,6 +51,21 @@ from launcher.errors import UsageError
 from launcher.parallel.hugging_face import init_hf_weights, is_hf_model
 
 REQUIRED = ("build_model", "build_dataset", "loss")
+PIPELINE_HOOKS = ("split_batch", "loss_from_output")
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """What a pipeline needs of a recipe: a batch's model inputs and targets, and the loss of
+    the last stage's output."""
+
+    split_batch: Callable[[Any], tuple[Any, Any]]
+    loss_from_output: Callable[[Any, Any], torch.Tensor]
+
+    def split(self, batch: Any) -> tuple[tuple[Any, ...], Any]:
+        """(inputs as a tuple of positional arguments, targets)."""
+        inputs, targets = call_user("recipe: split_batch(batch)", self.split_batch, batch)
+        return (inputs if isinstance(inputs, tuple) else (inputs,)), targets
 
 
 @dataclass(frozen=True)
@@ -119,6 +139,22 @@ class Recipe:
         to the model over the `tp` mesh axis (`launcher.parallel.tensor_parallel`)."""
         hook = getattr(self.module, "parallelize", None)
         return hook if callable(hook) else None
+
+    def pipeline_hooks(self) -> PipelineHooks:
+        """The recipe's `split_batch` and `loss_from_output`, which `parallel.pp` needs; a
+        UsageError naming those it lacks."""
+        hooks = {name: getattr(self.module, name, None) for name in PIPELINE_HOOKS}
+        missing = [name for name, hook in hooks.items() if not callable(hook)]
+        if missing:
+            raise UsageError(
+                f"parallel.pp: {self.source} defines no {' and no '.join(missing)}: a pipeline "
+                "computes the loss on the last stage's output, so the recipe says what of a "
+                "batch goes into the model and what the loss compares its output with",
+                hint="Define split_batch(batch) -> (inputs, targets) and "
+                "loss_from_output(output, targets) -> loss (docs/recipes.md#pipeline-"
+                "parallelism), or set parallel.pp: 1.",
+            )
+        return PipelineHooks(hooks["split_batch"], hooks["loss_from_output"])  # type: ignore[arg-type]
 
     def collate_hook(self) -> Callable[..., Any] | None:
         """The recipe's optional `collate(samples)` or `collate(samples, split)`, which makes a

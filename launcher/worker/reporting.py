@@ -45,7 +45,9 @@ class Reporter:
         share = "its share of the stream" if samples is None else f"{samples:,} samples per epoch"
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         dims, devices = strategy.dims, strategy.world_size * strategy.devices_per_process
-        layout = f" ({dims.describe()})" if dims and (dims.tp > 1 or dims.hybrid) else ""
+        layout = (
+            f" ({dims.describe()})" if dims and (dims.tp > 1 or dims.hybrid or dims.pp > 1) else ""
+        )
         self.say(
             f"{grouping.count()} | {strategy.name}{layout} on {devices} x "
             f"{strategy.device.type} | {self.total_steps} steps, {per_epoch}"

@@ -9,6 +9,7 @@ from typing import Any
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
+from launcher.parallel.dims import ParallelDims
 from launcher.parallel.rng import rank_seed
 from launcher.worker.optim import apply_after_load
 from launcher.worker.state import TrainState
@@ -49,13 +50,18 @@ def restore(
         return
     # Saved with another world size: per-rank streams cannot continue; reseed them.
     strategy.seed(rank_seed(spec.run.seed, strategy.dp_rank, state.progress.step))
-    meta = checkpoint.read_meta(path)
+    saved = checkpoint.saved_layout(checkpoint.read_meta(path))
     say(
-        f"resuming on {_ranks(strategy.world_size, strategy.tp_degree)} "
-        f"instead of {_ranks(meta['world_size'], meta.get('tp', 1))}: model, optimizer and "
-        "data position continue; random streams are reseeded"
+        f"resuming on {_ranks(strategy.layout)} instead of {_ranks(saved)}: model, optimizer "
+        "and data position continue; random streams are reseeded"
     )
 
 
-def _ranks(world: int, tp: int) -> str:
-    return f"{world} process{'es' if world != 1 else ''}" + (f" (tp {tp})" if tp > 1 else "")
+def _ranks(layout: ParallelDims) -> str:
+    """e.g. `4 processes (pp 2 x dp_shard 2)`; the layout left out where every process is a
+    replica of its own."""
+    world = layout.world
+    plain = layout == ParallelDims(dp_replicate=world) or layout == ParallelDims(dp_shard=world)
+    return f"{world} process{'es' if world != 1 else ''}" + (
+        "" if plain else f" ({layout.describe()})"
+    )

@@ -59,7 +59,8 @@ class TrainState:
             "progress": asdict(self.progress),
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.strategy.world_size,
-            "tp": self.strategy.tp_degree,
+            "tp": self.strategy.tp_degree,  # what checkpoints before "layout" kept
+            "layout": self.strategy.layout.as_record(),
             "spec": self.spec.model_dump(mode="json", by_alias=True),
             "config_file": self.config_file,
             "best": self.best.state_dict() if self.best else None,

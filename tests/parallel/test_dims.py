@@ -116,10 +116,7 @@ def test_a_tensor_parallel_checkpoint_resumes_in_other_layouts_and_exports_whole
 ) -> None:
     folder, _ = tp_and_ddp
     # Its step-10 checkpoint resumes as ddp on 2 (steps 11-20 as ddp's own) and as fsdp on 4.
-    checkpoint = str(folder / "tp" / "checkpoints" / "step-00000010")
-    resumed = train(folder, folder / "ddp.yaml", "as-ddp", "--resume", checkpoint)
-    assert "resuming on 2 processes instead of 4 processes (tp 2)" in resumed.stdout
-    assert_close(curves(folder / "as-ddp")[0], curves(folder / "ddp")[0][10:], rel=1e-4)
+    checkpoint = resumes_as_ddp(folder, "tp", "dp_shard 2 x tp 2", rel=1e-4)
     four = spec_file(
         folder / "four.yaml", 4, "fsdp", steps=12, recipe={**GPT, "source": "probe.py"}
     )
@@ -127,14 +124,30 @@ def test_a_tensor_parallel_checkpoint_resumes_in_other_layouts_and_exports_whole
     assert [r["step"] for r in metrics_of(folder / "as-fsdp") if "loss" in r] == [11, 12]
 
     # Export writes whole tensors from the 2-D layout: ddp's weights at step 20.
-    for name in ("tp", "ddp"):
+    assert_exports_alike(folder, "tp", "ddp")
+
+
+def resumes_as_ddp(folder: Path, run: str, layout: str, rel: float) -> str:
+    """`folder/run`'s step-10 checkpoint (a 4-process `layout`) resumed as ddp on 2 gives
+    steps 11-20 of `folder/ddp`, within `rel`; returns the checkpoint's path."""
+    checkpoint = str(folder / run / "checkpoints" / "step-00000010")
+    resumed = train(folder, folder / "ddp.yaml", "as-ddp", "--resume", checkpoint)
+    assert f"resuming on 2 processes instead of 4 processes ({layout})" in resumed.stdout
+    assert_close(curves(folder / "as-ddp")[0], curves(folder / "ddp")[0][10:], rel=rel)
+    return checkpoint
+
+
+def assert_exports_alike(folder: Path, ours: str, theirs: str) -> None:
+    """`train export` of the runs `folder/ours` and `folder/theirs`: the same names, and the
+    same tensors to float32 rounding over 20 steps."""
+    for name in (ours, theirs):
         out = folder / f"{name}.pt"
         export = train_in_fork(["export", str(folder / name), "--out", str(out)], folder)
         assert export.returncode == 0, export.stdout + export.stderr
-    ours, theirs = torch.load(folder / "tp.pt"), torch.load(folder / "ddp.pt")
-    assert ours.keys() == theirs.keys()
-    for key, tensor in theirs.items():
-        torch.testing.assert_close(ours[key], tensor, rtol=1e-4, atol=1e-5)
+    mine, other = torch.load(folder / f"{ours}.pt"), torch.load(folder / f"{theirs}.pt")
+    assert mine.keys() == other.keys()
+    for key, tensor in other.items():
+        torch.testing.assert_close(mine[key], tensor, rtol=1e-4, atol=1e-5)
 
 
 def test_hsdp_on_two_nodes_is_one_replica_per_node_matches_ddp_and_resumes_as_fsdp(

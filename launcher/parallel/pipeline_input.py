@@ -1,0 +1,17 @@
+"""What the loop gives a strategy to cut the model into pipeline stages (`parallel.pp`): torch-
+free, so that the strategy interface names it without importing torch's pipelining."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PipelineInput:
+    split: Callable[[Any], tuple[tuple[Any, ...], Any]]  # batch -> (model inputs, targets)
+    loss_from_output: Callable[[Any, Any], Any]  # the recipe's, on the last stage's output
+    example: Any  # one batch as training collates it: the shapes the stages are traced with
+    batch_size: int  # samples in a batch of one data-parallel rank (data.batch_size)
+    accum: int  # train.grad_accum_steps

@@ -41,6 +41,7 @@ def pp_and_ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return folder, train(folder, pp, "pp").stdout
 
 
+@pytest.mark.smoke  # torch's pipelining API moves between versions: 2.11 is the GPUs'
 def test_a_pipeline_over_sharded_stages_trains_as_ddp(pp_and_ddp: tuple[Path, str]) -> None:
     folder, output = pp_and_ddp
     assert "fsdp (pp 2 x dp_shard 2) on 4 x cpu" in output
@@ -143,6 +144,7 @@ def test_a_ranks_place_in_the_grid_gives_its_data_rank() -> None:
     assert ParallelDims.from_record(None, 4, tp=2) == ParallelDims(dp_replicate=2, tp=2)
 
 
+@pytest.mark.smoke
 def test_validate_says_where_the_stages_begin_and_the_memory_of_each(tmp_path: Path) -> None:
     spec = spec_file(tmp_path / "run.yaml", 4, "fsdp", parallel=PIPELINE)
     result = train_in_fork(["validate", "--config", str(spec)], tmp_path)

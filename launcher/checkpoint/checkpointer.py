@@ -246,9 +246,9 @@ def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any]
     exactly.
     """
     import torch.distributed.checkpoint as dcp
-
-    check_matches(path, state)
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    check_matches(path, state, held_elsewhere=_held_elsewhere(state, strategy))
     from torch.distributed.checkpoint._traverse import set_element
 
     # Loaded as `{"model.a.weight": ..., "optim.param_groups.0.lr": ...}`, the keys DCP's
@@ -267,6 +267,19 @@ def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any]
         return None
     with open_file(CheckpointFiles(path).rank_state(strategy.rank)) as file:
         return torch.load(io.BytesIO(file.read()), weights_only=True)
+
+
+def _held_elsewhere(state: dict[str, Any], strategy: Strategy) -> frozenset[str]:
+    """Collective where the layout has a pipeline: the state keys other processes hold and
+    this one does not (the other stages'); none elsewhere, where every process holds every
+    key."""
+    if strategy.layout.pp == 1:
+        return frozenset()
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    mine = set(flatten_state_dict(state)[0])
+    everyone = set().union(*(set(keys) for keys in strategy.gather(sorted(mine))))
+    return frozenset(everyone - mine)
 
 
 def same_data_ranks(meta: dict[str, Any], strategy: Strategy) -> bool:

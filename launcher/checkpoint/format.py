@@ -209,12 +209,17 @@ def _state_damage(path: Path) -> str | None:
     return None
 
 
-def check_matches(path: Path, state: dict[str, Any], limit: int = 10) -> None:
+def check_matches(
+    path: Path, state: dict[str, Any], limit: int = 10, held_elsewhere: frozenset[str] = frozenset()
+) -> None:
     """Raises a UsageError listing missing, unexpected and mis-shaped keys: the model's first,
-    then the optimizer's. Precision state may come and go (resuming fp16 as bf16)."""
+    then the optimizer's. Precision state may come and go (resuming fp16 as bf16).
+    `held_elsewhere`: the keys other processes hold and this one does not (a pipeline's other
+    stages), which the checkpoint holds for them."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     saved = read_metadata(path).state_dict_metadata
+    saved = {k: v for k, v in saved.items() if k not in held_elsewhere}
     flat, _ = flatten_state_dict(state)
     problems = _mismatches(flat, saved, "model.") + _mismatches(flat, saved, "optim.")
     if any(key.startswith("ema.") for key in flat):  # a run that averages the weights

@@ -67,6 +67,9 @@ def test_a_pipeline_checkpoint_resumes_in_other_layouts_and_exports_whole(
 ) -> None:
     folder, _ = pp_and_ddp
     checkpoint = resumes_as_ddp(folder, "pp", "pp 2 x dp_shard 2", rel=1e-5)
+    # In its own layout, where each process holds only its stage's part of the checkpoint.
+    train(folder, folder / "pp.yaml", "as-pp", "--resume", checkpoint)
+    assert curves(folder / "as-pp")[0] == curves(folder / "pp")[0][10:]
     # As fsdp on 4 with tensor parallelism in place of the pipeline: 2 data-parallel ranks.
     tp = spec_file(folder / "tp.yaml", 4, "fsdp", parallel={"tp": 2})
     train(folder, tp, "as-tp", "--resume", checkpoint)

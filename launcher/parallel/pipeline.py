@@ -41,6 +41,21 @@ SCHEDULES = {
 TWO_STAGES = ("Interleaved1F1B", "ZBVZeroBubble")
 
 
+# Older torch (2.9, torch_xla's) hung in its schedules' first exchange between stages here.
+MIN_TORCH = (2, 11)
+
+
+def check_torch() -> None:
+    """A UsageError where this torch's pipelining is older than the launcher runs."""
+    found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if found < MIN_TORCH:
+        raise UsageError(
+            f"parallel.pp: pipelines need torch {'.'.join(map(str, MIN_TORCH))} or newer; this "
+            f"environment has torch {torch.__version__}",
+            hint="Upgrade torch, or set parallel.pp: 1.",
+        )
+
+
 def stages_per_rank(schedule: str) -> int:
     return 2 if schedule in TWO_STAGES else 1
 
@@ -352,6 +367,7 @@ def build_pipeline(
     Collective: every process calls it (it makes each stage's process group)."""
     from launcher.parallel.shard_units import shard_units
 
+    check_torch()
     names = {id(module): name for name, module in model.named_modules()}
     blocks = [names[id(unit)] for unit in reversed(shard_units(model, wrap).modules)]
     points = split_points(model, section, blocks)

@@ -62,11 +62,15 @@ class Catalog:
             raise unusable(self.root, exc, "checkpoints in") from None
 
     def _complete(self) -> list[Any]:
-        if not self.root.is_dir():
-            return []
+        try:
+            entries = list(self.root.iterdir()) if self.root.is_dir() else []
+        except (FileNotFoundError, NotADirectoryError):
+            # A store's prefix exists while objects do: another node's probe file, its only
+            # object, was removed between the two calls (two launchers starting at once).
+            entries = []
         found = [
             p
-            for p in self.root.iterdir()
+            for p in entries
             if checkpoint_step(p.name) is not None and CheckpointFiles(p).is_complete
         ]
         return sorted(found, key=lambda p: step_of(p) or 0)

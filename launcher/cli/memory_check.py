@@ -99,16 +99,13 @@ def stage_estimates(
     import torch
 
     from launcher.parallel.pipeline import cut, microbatches, split_points
-    from launcher.parallel.shard_units import shard_units
 
     hooks, section = recipe.pipeline_hooks(), spec.parallel
     micro = microbatches(section, spec.data.batch_size)
     rows = spec.data.batch_size // micro
     with torch.device("meta"):
         model = recipe.build_model(**spec.recipe.model)
-    names = {id(module): name for name, module in model.named_modules()}
-    blocks = [names[id(unit)] for unit in reversed(shard_units(model, spec.fsdp.wrap).modules)]
-    points = split_points(model, section, blocks)
+    points = split_points(model, section, spec.fsdp.wrap)
     inputs, targets = hooks.split(batch)
     example = tuple(t[:rows].to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
     stages = cut(model, points, example, list(range(len(points) + 1)), contextlib.nullcontext)

@@ -130,7 +130,6 @@ def pipeline_fits(spec: RunSpec, recipe: Recipe, model: nn.Module | None = None)
     recipe's hooks, the split points and the micro-batches, refused as the workers would
     refuse them; the line that says where the stages begin."""
     from launcher.parallel.pipeline import check_torch, microbatches, split_points
-    from launcher.parallel.shard_units import shard_units
     from launcher.parallel.sharded_init import build_on_meta
 
     check_torch()
@@ -151,9 +150,7 @@ def pipeline_fits(spec: RunSpec, recipe: Recipe, model: nn.Module | None = None)
         )
     if model is None:
         model = build_on_meta(lambda: recipe.build_model(**spec.recipe.model))
-    names = {id(module): name for name, module in model.named_modules()}
-    blocks = [names[id(unit)] for unit in reversed(shard_units(model, spec.fsdp.wrap).modules)]
-    points = split_points(model, section, blocks)
+    points = split_points(model, section, spec.fsdp.wrap)
     return (
         f"parallel.pp: {len(points) + 1} stages ({section.pp_schedule}, {micro} micro-batches), "
         f"beginning at {', '.join(points)}"

@@ -80,9 +80,13 @@ def microbatches(section: ParallelSection, batch_size: int) -> int:
     return count
 
 
-def split_points(model: nn.Module, section: ParallelSection, blocks: list[str]) -> list[str]:
-    """Where stages begin: the spec's, checked against the model's module names; else
-    `blocks` (the names of the repeated blocks, in order) divided evenly."""
+def split_points(model: nn.Module, section: ParallelSection, wrap: list[str] | None) -> list[str]:
+    """Where stages begin: the spec's, checked against the model's module names; else the
+    model's repeated blocks (fsdp's units, `wrap` as `fsdp.wrap` names them) divided evenly."""
+    from launcher.parallel.shard_units import shard_units
+
+    names = {id(module): name for name, module in model.named_modules()}
+    blocks = [names[id(unit)] for unit in reversed(shard_units(model, wrap).modules)]
     stages = section.pp * stages_per_rank(section.pp_schedule)
     if section.pp_split_points is not None:
         names = dict(model.named_modules())
@@ -365,12 +369,8 @@ def build_pipeline(
 ) -> tuple[Pipeline, StageModules]:
     """This rank's stages of `model` (whole, on CPU) and the schedule that runs them.
     Collective: every process calls it (it makes each stage's process group)."""
-    from launcher.parallel.shard_units import shard_units
-
     check_torch()
-    names = {id(module): name for name, module in model.named_modules()}
-    blocks = [names[id(unit)] for unit in reversed(shard_units(model, wrap).modules)]
-    points = split_points(model, section, blocks)
+    points = split_points(model, section, wrap)
     micro = microbatches(section, given.batch_size)
     inputs, _ = given.split(given.example)
     example = tuple(_first_rows(value, given.batch_size // micro) for value in inputs)

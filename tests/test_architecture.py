@@ -230,6 +230,7 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "parallel/test_fsdp_init.py": (every, "a CNN on images, inits fsdp must repeat"),
         "training/test_collate.py": ("build_dataset loss", "the varlen recipe's batches"),
         "training/test_flops.py": (both, "a build and a loss that count their calls"),
+        "training/test_fault_tolerance.py": ("loss", "a loss that kills its replica group"),
         "training/test_loader_workers.py": ("build_dataset loss", "varlen in loader workers"),
         "training/test_nonfinite.py": (both, "a loss that turns NaN"),
         "training/test_param_groups.py": ("build_model", "frozen, decayed and norm parameters"),

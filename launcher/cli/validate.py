@@ -67,6 +67,10 @@ def validate_command(
         from launcher.metrics.trackers import check_trackers_usable
 
         check_trackers_usable(spec.log.trackers)
+        if spec.fault_tolerance.enabled:
+            from launcher.config.fault_tolerance import require_torchft
+
+            require_torchft()
         from launcher.launch.reaper import children_reaped
 
         with children_reaped():  # what the recipe starts as it is imported and built

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 # The fsdp section's keys need long descriptions; it lives apart, re-exported here.
+from launcher.config.fault_tolerance import FaultToleranceSection
 from launcher.config.fsdp import FSDPSection
 from launcher.config.load import LoadSection
 from launcher.config.log import LogSection
@@ -301,6 +302,11 @@ class RunSpec(Section):
         default_factory=XLASection,
         description="Options of the torch_xla strategies `xla`, `xla_spmd` and `xla_fsdp`.",
     )
+    fault_tolerance: FaultToleranceSection = Field(
+        default_factory=FaultToleranceSection,
+        description="Training on through the loss of a replica group, on torchft "
+        "(docs/fault-tolerance.md).",
+    )
     log: LogSection = Field(
         default_factory=LogSection, description="What each run records besides its logs."
     )
@@ -332,12 +338,33 @@ class RunSpec(Section):
                 f"train.compile: not for launch.strategy {self.launch.strategy} (XLA compiles "
                 "every step already); set it to false"
             )
+        self._fault_tolerance_fits()
         return self
+
+    def _fault_tolerance_fits(self) -> None:
+        if not self.fault_tolerance.enabled:
+            return
+        if self.launch.strategy not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"fault_tolerance: not for launch.strategy {self.launch.strategy}; torchft's "
+                "replica groups train with ddp or fsdp (or set fault_tolerance.enabled: false)"
+            )
+        if self.train.precision == "fp16":
+            raise ValueError(
+                "fault_tolerance: not with train.precision fp16: each group's loss scale "
+                "would scale its gradients differently before they are averaged; use bf16"
+            )
+        if self.parallel.pp > 1:
+            raise ValueError(
+                "fault_tolerance: not with parallel.pp > 1 yet; a replica group heals whole "
+                "replicas, not pipeline stages (set parallel.pp: 1)"
+            )
 
 
 __all__ = [
     "EMASection",
     "FSDPSection",
+    "FaultToleranceSection",
     "LoadSection",
     "OptimSection",
     "ParallelSection",

@@ -25,14 +25,19 @@ WORKER_MODULE = "launcher.worker.main"
 
 
 def agent_config(
-    plan: LaunchPlan, on_round: Callable[[rendezvous.Round], None]
+    plan: LaunchPlan,
+    on_round: Callable[[rendezvous.Round], None],
+    group: int | None = None,  # a replica group's own agent (`fault_tolerance`), on this machine
 ) -> tuple[LaunchConfig, list[str]]:
     """The elastic agent's configuration, and the arguments of the interpreter it starts:
     the worker module and the one file that tells a worker everything (`--plan`).
     `on_round` is called with each rendezvous round, before that round's workers start."""
     nodes = plan.nodes
+    folder = plan.node_dir if group is None else RunLayout.replica_group(plan.node_dir, group)
+    nproc = plan.nproc if group is None else plan.group_size
+    run_id = nodes.job_id if nodes.multi else f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}"
     node = rendezvous.NodeConfig(
-        nproc=plan.nproc,
+        nproc=nproc,
         spec_digest=hashlib.sha256(spec_to_yaml(plan.spec).encode()).hexdigest()[:12],
         node_rank=nodes.node_rank,
         loopback=not nodes.multi,
@@ -42,9 +47,9 @@ def agent_config(
     config = LaunchConfig(
         min_nodes=nodes.min,
         max_nodes=nodes.max,
-        nproc_per_node=plan.nproc,
+        nproc_per_node=nproc,
         # The same on every node; a single node's own, so that two runs never share one.
-        run_id=nodes.job_id if nodes.multi else f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}",
+        run_id=run_id if group is None else f"{run_id}-group-{group}",
         rdzv_backend=rendezvous.register(),
         # One node: c10d's rendezvous on stores that listen on loopback only, each on a free
         # port of its own (so two runs never race for one).
@@ -55,9 +60,9 @@ def agent_config(
         max_restarts=plan.spec.launch.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=AgentLogs(log_dir=str(RunLayout.agent_logs(plan.node_dir))),
+        logs_specs=AgentLogs(log_dir=str(RunLayout.agent_logs(folder))),
     )
-    argv = ["-u", "-m", WORKER_MODULE, "--plan", str(RunLayout.worker_plan(plan.node_dir))]
+    argv = ["-u", "-m", WORKER_MODULE, "--plan", str(RunLayout.worker_plan(folder))]
     return config, argv
 
 
@@ -81,8 +86,8 @@ class AgentThread(threading.Thread):
     """The elastic agent, on a thread of its own: the main thread keeps the signals (a first
     Ctrl-C stops the run gracefully, a second at once) and the watchdog."""
 
-    def __init__(self, config: LaunchConfig, argv: list[str]) -> None:
-        super().__init__(name="elastic-agent", daemon=True)
+    def __init__(self, config: LaunchConfig, argv: list[str], name: str = "elastic-agent") -> None:
+        super().__init__(name=name, daemon=True)
         self.config, self.argv = config, argv
         self.error: BaseException | None = None
 

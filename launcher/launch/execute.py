@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.checkpoint.catalog import latest_complete
 from launcher.errors import RunError
-from launcher.launch import failure_report
+from launcher.launch import failure_report, replica_groups
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
 from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.plan import LaunchPlan
@@ -66,12 +66,15 @@ def _run(plan: LaunchPlan, console: Console | None) -> Ending:
     # it built lives as long as the launcher, so the collector never walks it again.
     gc.freeze()
     gc.enable()
-    view = NodeView(plan, console)
-    config, argv = agent_config(plan, view.follow)
     _announce(plan, console)
     try:
         with Reaper() as reaper:  # nothing the run starts outlives it
-            outcome = supervise(plan, AgentThread(config, argv), view, console, reaper.pid)
+            if plan.replica_groups:
+                outcome = replica_groups.supervise_groups(plan, console, reaper.pid)
+            else:
+                view = NodeView(plan, console)
+                agent = AgentThread(*agent_config(plan, view.follow))
+                outcome = supervise(plan, [agent], view, console, reaper.pid)
             return _conclude(outcome, plan, console)
     finally:
         # The request has been answered: a stopped run's folder keeps no leftover of it. On
@@ -118,6 +121,10 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
         return Ending(outcome.exit_code_of_signal, True, outcome.signal_name)
     if outcome.folder_gone:
         return Ending(_folder_gone(plan, console), False, "the run folder was deleted")
+    if outcome.fault:
+        return Ending(
+            replica_groups.report_fault(outcome.fault, plan, console), False, outcome.fault
+        )
     if outcome.stalls:
         after = outcome.signal_name if outcome.signals else None
         return Ending(

@@ -14,6 +14,7 @@ from launcher.checkpoint.weights_source import KEY, check_weights
 from launcher.clusters.kubernetes import NPROC_PER_NODE
 from launcher.clusters.nodes import Nodes
 from launcher.clusters.tpu_pod import host_index
+from launcher.config.fault_tolerance import require_torchft
 from launcher.config.loader import SpecLayers
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
@@ -27,7 +28,7 @@ from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.plain_number import plain_number
 from launcher.rundir.layout import RunLayout
-from launcher.rundir.worker_plan import WorkerPlan
+from launcher.rundir.worker_plan import ReplicaGroup, WorkerPlan
 from launcher.storage_url import location
 
 
@@ -64,6 +65,18 @@ class LaunchPlan:
         """Worker processes the elastic agent starts on this node."""
         return self.devices.processes
 
+    @property
+    def replica_groups(self) -> int:
+        """Replica groups on this machine, each under an agent of its own (`fault_tolerance`);
+        0 without fault tolerance."""
+        ft = self.spec.fault_tolerance
+        return ft.replica_groups if ft.enabled else 0
+
+    @property
+    def group_size(self) -> int:
+        """Processes of one replica group."""
+        return self.nproc // max(1, self.replica_groups)
+
     def worker_env(self) -> dict[str, str]:
         """Settings of the libraries in the workers' processes (OpenMP's threads, glibc's
         allocator, XLA's device count, MLflow's logging), on top of the launcher's environment,
@@ -80,19 +93,22 @@ class LaunchPlan:
         env = {k: os.environ.get(k, v) for k, v in env.items()}
         return env | self.devices.env  # the device count is the plan's, not a leftover's
 
-    def worker_plan(self) -> WorkerPlan:
-        """What this node's workers are told (the only thing they are told)."""
+    def worker_plan(self, group: ReplicaGroup | None = None) -> WorkerPlan:
+        """What this node's workers are told (the only thing they are told); `group`: those of
+        one replica group."""
         spawn = strategy_info(self.spec.launch.strategy).processes == "xla_spawn"
         return WorkerPlan(
             run_dir=self.run_dir,
             spec=self.spec.model_dump(mode="json", by_alias=True),
             accelerator=self.accelerator,
             xla_spawn=("all" if self.devices.spawn_all else "1") if spawn else None,
-            rank_offset=self.rank_offset,
+            # A replica group's agent numbers its processes from 0, as a TPU host's does.
+            rank_offset=self.rank_offset + (group.first_device if group else 0),
             resume_from=self.resume_from,
             compile_cache=self._compile_cache(),
             config_file=self.config_file,
             memory_estimate=self.memory_estimate,
+            replica_group=group,
         )
 
     def _compile_cache(self) -> Path | None:
@@ -164,6 +180,8 @@ def make_plan(
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
     devices = _checked_devices(spec, accelerator, nodes, sources)
+    if spec.fault_tolerance.enabled:
+        _check_replica_groups(spec, devices, nodes)
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
     sources = _with_resolved(sources, spec, resolved)
     spec = resolved
@@ -257,6 +275,31 @@ def _checked_devices(
         per_node = devices.processes
         resolve_dims(spec.parallel, spec.launch.strategy, per_node * count, per_node)
     return devices
+
+
+def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes) -> None:
+    """`fault_tolerance`: torchft there, and the devices split evenly between the groups."""
+    require_torchft()
+    groups = spec.fault_tolerance.replica_groups
+    if nodes.multi:
+        raise UsageError(
+            "fault_tolerance: not with --nnodes yet; run it on one machine "
+            "(fault_tolerance.replica_groups groups of its devices)",
+            hint="docs/fault-tolerance.md, 'Several machines'.",
+        )
+    if groups < 2:
+        raise UsageError(
+            f"fault_tolerance.replica_groups: {groups}: a group survives only beside another; "
+            "give 2 or more",
+        )
+    if devices.processes % groups:
+        raise UsageError(
+            f"fault_tolerance.replica_groups: {groups} groups cannot share {devices.processes} "
+            "processes evenly (launch.devices)",
+            hint=f"Use a multiple of {groups} devices, or another number of groups.",
+        )
+    per_group = devices.processes // groups  # each group lays out its own mesh
+    resolve_dims(spec.parallel, spec.launch.strategy, per_group, per_group)
 
 
 def _devices_named(devices: int | str, source: str | None) -> str:

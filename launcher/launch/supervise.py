@@ -40,25 +40,57 @@ class Outcome:
     stalls: list[Stall] = field(default_factory=list)
     untrained: bool = False  # stopped before any rank finished a step: nothing to save
     folder_gone: bool = False  # the run folder was deleted or moved while the run ran
+    fault: str = ""  # what ended the run, said already (the Lighthouse was lost)
 
     @property
     def exit_code_of_signal(self) -> int:
         return SIGNAL_EXIT.get(self.signal_name, 1)
 
 
+class AgentWatch:
+    """What supervision asks of the agents besides their threads: none for one agent; the
+    replica groups' (`launcher.launch.replica_groups`) under fault tolerance."""
+
+    def ended(self, agent: AgentThread) -> None:
+        """`agent` ended while others go on."""
+
+    def fault(self) -> str | None:
+        """A reason to stop the run now, said in one line (the Lighthouse was lost)."""
+        return None
+
+    def outcome_error(self, agents: list[AgentThread]) -> BaseException | None:
+        return agents[0].error
+
+
 def supervise(
-    plan: LaunchPlan, agent: AgentThread, view: NodeView, console: Console, spare: int
+    plan: LaunchPlan,
+    agents: list[AgentThread],
+    view: NodeView,
+    console: Console,
+    spare: int,
+    watch: AgentWatch | None = None,
 ) -> Outcome:
-    """Runs the agent until its workers end. A first signal asks every rank to finish its
+    """Runs the agents until their workers end. A first signal asks every rank to finish its
     step and save (the stop-request file), or kills every worker while none has finished a
     step (nothing to save); a second one, or a hang, kills every worker. `spare`: a process
     of ours that stays (the reaper)."""
     stop_request = plan.layout.stop_request
     folder = FolderWatch(plan.run_dir)
+    watch = watch or AgentWatch()
+    running = list(agents)
     with view, Signals() as signals:
-        agent.start()
-        while agent.is_alive():
-            agent.join(0.2)
+        for agent in agents:
+            agent.start()
+        while running:
+            running[0].join(0.2)
+            for agent in [a for a in running if not a.is_alive()]:
+                running.remove(agent)
+                if running:
+                    watch.ended(agent)
+            if (fault := watch.fault()) is not None:
+                console.print(fault, style="bold red", highlight=False, soft_wrap=True)
+                kill_workers(spare)
+                return Outcome(RuntimeError(fault), signals.received, signals.name, fault=fault)
             if folder.gone() and not folder.stop_in_new_folder(stop_request, console):
                 kill_workers(spare)
                 return Outcome(None, signals.received, signals.name, folder_gone=True)
@@ -78,7 +110,8 @@ def supervise(
             if signals.received >= 2 or stalls:
                 kill_workers(spare)
                 return Outcome(None, signals.received, signals.name, stalls)
-    return Outcome(agent.error, signals.received, signals.name, folder_gone=folder.said)
+    error = watch.outcome_error(agents)
+    return Outcome(error, signals.received, signals.name, folder_gone=folder.said)
 
 
 class FolderWatch:

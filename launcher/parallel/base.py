@@ -123,6 +123,23 @@ class Strategy(ABC):
         """Zeroes the gradients without stepping: a skipped update."""
         optimizer.zero_grad(set_to_none=True)
 
+    def begin_step(self, step: int) -> bool:
+        """Before step `step`'s first micro-batch. True where this process's state was
+        replaced meanwhile (healed from a peer replica group: `launcher.parallel.
+        fault_tolerant`), so the loop takes its data from the new position."""
+        return False
+
+    def commit_step(self) -> bool:
+        """Once the step's gradients are final, on every process: whether the step counts.
+        False (a peer replica group was lost inside it): the step never happened, and the
+        loop takes it again."""
+        return True
+
+    def share_state(self, model: Any, loop: Any, reload: Callable[[], bool]) -> None:  # noqa: B027
+        """What a peer replica group copies to heal this one (`ModelState` and the loop's
+        `TrainState`), and `reload`, which restores the newest checkpoint where no peer is
+        left to heal from. Nothing to share without replica groups."""
+
     @abstractmethod
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of a small tensor of metrics over all replicas."""
@@ -251,6 +268,28 @@ class Strategy(ABC):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def log_rank(self) -> int:
+        """This process's rank in the run's logs and heartbeats; `rank` but under replica
+        groups, whose processes each count their ranks from 0."""
+        return self.rank
+
+    @property
+    def writes_records(self) -> bool:
+        """Whether this process writes the run's metrics and trackers: one process of all."""
+        return self.is_main
+
+    @property
+    def heals_from_peers(self) -> bool:
+        """Whether a restarted process takes its state from a live peer replica group
+        instead of the newest checkpoint."""
+        return False
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether this process's group takes part in a checkpoint's save (collective)."""
+        return True
 
     @property
     def dp_rank(self) -> int:

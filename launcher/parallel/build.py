@@ -9,10 +9,17 @@ from pathlib import Path
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
 from launcher.parallel.registry import strategy_info
+from launcher.rundir.worker_plan import ReplicaGroup
 from launcher.startup_trace import mark
 
 
-def build_strategy(spec: RunSpec, accelerator: str, compile_cache: Path | None = None) -> Strategy:
+def build_strategy(
+    spec: RunSpec,
+    accelerator: str,
+    compile_cache: Path | None = None,
+    replica_group: ReplicaGroup | None = None,  # fault_tolerance's: this process's group
+    attempt: int = 0,  # restarts so far (torch.distributed.elastic's count)
+) -> Strategy:
     """The spec's strategy; `compile_cache` is the compile cache the plan chose: XLA's
     persistent cache on TPUs, inductor's under `train.compile`."""
     mark("imports-and-spec")  # the worker's imports and its spec read
@@ -22,9 +29,14 @@ def build_strategy(spec: RunSpec, accelerator: str, compile_cache: Path | None =
     train = {key: getattr(spec.train, key) for key in info.train_options}
     if info.dimensions:
         train["parallel"] = spec.parallel
-    return getattr(importlib.import_module(info.module), info.cls)(
-        accelerator, spec.train.precision, *options, **train, **cache
-    )
+    cls = getattr(importlib.import_module(info.module), info.cls)
+    if replica_group is None:
+        return cls(accelerator, spec.train.precision, *options, **train, **cache)
+    from launcher.parallel.fault_tolerant import fault_tolerant
+
+    strategy = fault_tolerant(cls)(accelerator, spec.train.precision, *options, **train, **cache)
+    strategy.configure_replicas(replica_group, spec.fault_tolerance, spec.run.seed, attempt)
+    return strategy
 
 
 __all__ = ["Strategy", "build_strategy"]

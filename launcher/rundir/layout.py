@@ -161,6 +161,16 @@ class RunLayout:
         return self.root / f".shared-check-{token}"
 
     @property
+    def fault_events(self) -> Path:
+        """The replica groups' losses and heals (`launcher.rundir.fault_events`)."""
+        return self.root / "fault-tolerance.jsonl"
+
+    @staticmethod
+    def replica_group(node_dir: Path, group: int) -> Path:
+        """A replica group's own files (worker plan, agent logs) under `fault_tolerance`."""
+        return node_dir / "groups" / f"group-{group}"
+
+    @property
     def stop_request(self) -> Path:
         return self.root / "stop-request"
 
@@ -244,6 +254,7 @@ class RunLayout:
         startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
         startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
+        startup += [self.root / "groups", self.fault_events]
         startup += [
             self.outcome,
             self.outcome_reserve,

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from launcher.errors import INTERRUPTED, LauncherError
+from launcher.rundir import fault_events
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import read_json_or_none
@@ -97,6 +98,8 @@ class OutcomeRecorder:
             return
         outcome = RunOutcome(status, exit_code, round(time.time(), 3), self.started, reason)
         record = {**asdict(outcome), "host": socket.gethostname(), "pid": os.getpid()}
+        if losses := fault_events.summarize(fault_events.read(self.layout.fault_events)):
+            record["replica_group_losses"] = losses  # fault_tolerance's
         text = json.dumps(record, indent=1) + "\n"
         try:
             write_atomic(self.layout.outcome, text)

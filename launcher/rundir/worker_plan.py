@@ -23,6 +23,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class ReplicaGroup:
+    """A replica group of a fault-tolerant run (`fault_tolerance`): its processes' place."""
+
+    index: int  # REPLICA_GROUP_ID
+    count: int  # groups in the run
+    lighthouse: str  # torchft's Lighthouse, http://HOST:PORT
+    host: str  # the address the other groups reach this group's Manager at
+    first_device: int = 0  # this machine's device of the group's local rank 0
+    events: str = ""  # the run's fault-tolerance.jsonl (`launcher.rundir.fault_events`)
+
+
+@dataclass(frozen=True)
 class WorkerPlan:
     run_dir: Path
     # The resolved spec, as JSON (`launch.accelerator` and `launch.devices` are never `auto`).
@@ -44,6 +56,7 @@ class WorkerPlan:
     # GPU runs: the layout's memory per device as estimated before start, in bytes by part;
     # summary.json gives it beside the measured peak.
     memory_estimate: dict[str, int] | None = None
+    replica_group: ReplicaGroup | None = None  # fault_tolerance's: this group's place
 
     def run_spec(self) -> RunSpec:
         from launcher.config.spec import RunSpec
@@ -67,6 +80,8 @@ class WorkerPlan:
         resume_from = record["resume_from"]
         record["resume_from"] = None if resume_from is None else location(resume_from, options)
         record["compile_cache"] = Path(record["compile_cache"]) if record["compile_cache"] else None
+        group = record.get("replica_group")
+        record["replica_group"] = ReplicaGroup(**group) if group else None
         return cls(**record)
 
 

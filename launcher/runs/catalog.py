@@ -24,6 +24,7 @@ from launcher.checkpoint.catalog import Catalog, step_of, store_root
 from launcher.errors import LauncherError
 from launcher.metrics.progress import Progress, monitored, read_progress
 from launcher.metrics.telemetry import read_beat
+from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.lock import is_held
 from launcher.rundir.outcome import RunOutcome, read_outcome
@@ -62,6 +63,8 @@ class RunRow:
     started: float | None  # when the run first started (resumes continue it)
     ended: float | None  # None while it runs
     duration_s: float | None
+    # fault_tolerance's: replica groups lost (and restarted) so far; None without it
+    groups_lost: int | None = None
 
 
 def is_run(path: Path) -> bool:
@@ -157,7 +160,15 @@ def _describe(run_dir: Path, now: float | None) -> RunRow:
         started=started,
         ended=ended,
         duration_s=round(end - started, 3) if end is not None and started is not None else None,
+        groups_lost=_groups_lost(layout),
     )
+
+
+def _groups_lost(layout: RunLayout) -> int | None:
+    """Replica groups lost so far (`fault_tolerance`); None for a run without them."""
+    if not layout.fault_events.is_file():
+        return None
+    return sum(e["event"] == "lost" for e in fault_events.read(layout.fault_events))
 
 
 def _newest_checkpoint(run_dir: Path) -> tuple[Any, str | None]:

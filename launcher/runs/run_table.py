@@ -43,6 +43,8 @@ def runs_table(rows: list[RunRow]) -> Table:
         "started": [_when(row.started) for row in rows],
         "duration": [duration(row.duration_s) for row in rows],
     }
+    if any(row.groups_lost is not None for row in rows):  # fault_tolerance: groups lost
+        columns["faults"] = [_number(row.groups_lost) for row in rows]
     # One line a run, whatever the width: a narrow terminal cuts the names, folders, times and
     # evaluations short (…), and keeps the status and the numbers whole.
     table = Table(box=None, header_style="bold", pad_edge=False)
@@ -53,7 +55,7 @@ def runs_table(rows: list[RunRow]) -> Table:
             header,
             no_wrap=True,
             overflow="ellipsis",
-            justify="right" if header in ("steps", "checkpoint", "duration") else "left",
+            justify="right" if header in ("steps", "checkpoint", "duration", "faults") else "left",
             min_width=max(len(c) for c in [header, *cells]) if whole else None,
         )
     for row in zip(*columns.values(), strict=True):

@@ -58,15 +58,20 @@ class Trainer:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
-        sinks = build_sinks(spec, run_dir) if strategy.is_main else []
-        self.telemetry = Telemetry(run_dir, strategy.rank, strategy.is_main, attempt, sinks)
+        writes = strategy.writes_records
+        sinks = build_sinks(spec, run_dir) if writes else []
+        self.telemetry = Telemetry(run_dir, strategy.log_rank, writes, attempt, sinks)
         self.telemetry.beat(0)
         strategy.seed(spec.run.seed)
         # A restarted attempt asks the rule again, and rank 0's answer wins: nodes started
         # again, and nodes that restarted their workers, may each have seen another newest.
-        self.resume_from = strategy.from_main(attempt_start(resume_from, run_dir, attempt))
+        # A restarted replica group heals from a live one instead (`_reload` where none is).
+        healing = bool(attempt) and strategy.heals_from_peers
+        start = None if healing else attempt_start(resume_from, run_dir, attempt)
+        self.resume_from = strategy.from_main(start)
         if attempt:
-            print(restart_note(attempt, spec.launch.max_restarts, self.resume_from), flush=True)
+            note = restart_note(attempt, spec.launch.max_restarts, self.resume_from, healing)
+            print(note, flush=True)
         self._train_dataset: Any = None  # built before the model where a pipeline needs it
         self.model = self._build_model()
         self.feed = self._train_feed()
@@ -85,16 +90,18 @@ class Trainer:
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
         )
         self.profiler = StepProfiler(
-            spec.train.profile, self.layout, strategy.rank, strategy.device
+            spec.train.profile, self.layout, strategy.log_rank, strategy.device
         )
+        model_state = ModelState(strategy, self.model, self.optimizer, self.average)
         self.checkpointer = checkpoint.Checkpointer(
             strategy,
             run_dir,
-            ModelState(strategy, self.model, self.optimizer, self.average),
+            model_state,
             self.state,
             keep_last=spec.checkpoint.keep_last,
             use_async=spec.checkpoint.async_,
         )
+        strategy.share_state(model_state, self.state, self._reload)
 
     def _build_model(self) -> torch.nn.Module:
         """The recipe's model, initialised (or loaded: `load.weights`), placed and wrapped."""
@@ -109,6 +116,22 @@ class Trainer:
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
         return model
+
+    def _reload(self) -> bool:
+        """Collective: restores the newest complete checkpoint, where there is one (a
+        restarted replica group with no live group to heal from); whether it did."""
+        newest = self.strategy.from_main(attempt_start(None, self.layout.root, self.attempt))
+        where = f"resuming from {newest}" if newest else "no checkpoint yet: starting over"
+        self._say(f"no live replica group to copy from (every group was lost): {where}")
+        if newest is None:
+            return False
+        self.resume_from = newest
+        restore(
+            newest, self.checkpointer, self.state, self.strategy, self.spec, self.optim_settings
+        )
+        self.saved_at = self.progress.step  # the end saves nothing new at this step
+        self.telemetry.mark_resumed(self.progress.step)
+        return True
 
     def _pipeline_input(self) -> PipelineInput:
         """What the strategy cuts the model into pipeline stages by (`parallel.pp`)."""
@@ -196,17 +219,23 @@ class Trainer:
             loaded = self.feed.start(progress.epoch, progress.samples_in_epoch)
             batches = self.feed.batches(self.strategy.loader(loaded))
             left = self.feed.steps_left(spec.train.grad_accum_steps)
+            moved = False  # the data position changed under the feed: start it again there
             for _ in range(min(left, self.total_steps - progress.step)):
                 started = time.perf_counter()
+                moved = self.strategy.begin_step(progress.step)  # healed from a peer group
+                if moved:
+                    break
                 self.profiler.before_step(progress.step + 1)
-                self._step(batches)
+                moved = not self._step(batches)  # a void step: taken again, on its data
                 self.profiler.after_step(progress.step)
+                if moved:
+                    break
                 self.telemetry.step_done(time.perf_counter() - started)
                 self.telemetry.beat(progress.step)
                 stopped = self._after_step()
                 if stopped:
                     break
-            if progress.step < self.total_steps and not stopped:  # the epoch ran out
+            if progress.step < self.total_steps and not stopped and not moved:  # epoch's end
                 progress.epoch += 1
                 progress.samples_in_epoch = 0
         if self.saved_at != progress.step and spec.checkpoint.enabled:
@@ -295,7 +324,8 @@ class Trainer:
             written=self.checkpointer.write_times,
         )
 
-    def _step(self, batches: Any) -> None:
+    def _step(self, batches: Any) -> bool:
+        """One optimizer step; False where it was void (`Strategy.commit_step`)."""
         accum = self.spec.train.grad_accum_steps
         total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
@@ -322,6 +352,9 @@ class Trainer:
         assert total_loss is not None
         clip = self.spec.train.grad_clip_norm
         norm = self.strategy.finish_gradients(self.model, self.optimizer, clip)
+        if not self.strategy.commit_step():
+            self.strategy.drop_update(self.optimizer)
+            return False
         step = self.progress.step + 1
         applied = self.state.nonfinite.allows_update(step, total_loss, norm)
         if applied:
@@ -343,6 +376,7 @@ class Trainer:
         # Every replica's shard has the same length (the sampler pads), so the global count is
         # exact, also for a short last batch (data.drop_last: false).
         self.progress.samples_in_epoch += samples * self.strategy.dp_size
+        return True
 
     def _log(self) -> None:
         window = self.state.window
@@ -359,6 +393,9 @@ class Trainer:
         )
 
     def _save(self) -> None:
+        if not self.strategy.saves_checkpoints:  # another replica group saves this one
+            self.saved_at = self.progress.step
+            return
         started = time.perf_counter()
         # Saving must not move the random streams (XLA advances its seed at every graph cut),
         # or the run would go on drawing other numbers than a run resumed from this save.

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from launcher.rundir.layout import RunLayout
-from launcher.rundir.worker_plan import WorkerPlan
+from launcher.rundir.worker_plan import ReplicaGroup, WorkerPlan
 from launcher.worker import startup  # noqa: F401  (the collector paused until training)
 from launcher.worker.sigterm import stop_on_outside_sigterm
 
@@ -77,6 +77,8 @@ def dump_stacks_on_request() -> None:
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     plan = _parse(argv)
+    if plan.replica_group is not None:
+        _join_replica_group(plan.replica_group)
     redirect_output(RunLayout(plan.run_dir).log(_own_rank(plan)))
     # Before torch starts threads of its own. The worker's parent is the launcher.
     stop_on_outside_sigterm(plan.run_dir, os.getppid())
@@ -104,6 +106,17 @@ def _end_children() -> None:
         child.terminate()
     for child in children:
         child.join(timeout=10)
+
+
+def _join_replica_group(group: ReplicaGroup) -> None:
+    """A fault-tolerant run's worker: the group's agent numbers its processes from 0, like
+    any run's; the group id goes in torchft's variable, for recipes and tools to read, and
+    the machine's devices are shared between the groups (LOCAL_RANK: this process's)."""
+    os.environ["REPLICA_GROUP_ID"] = str(group.index)
+    # torchft's Rust side logs every quorum and vote at INFO: thousands of lines a minute.
+    os.environ.setdefault("RUST_LOG", "warn")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ["LOCAL_RANK"] = str(group.first_device + local)
 
 
 def _own_rank(plan: WorkerPlan) -> int:
@@ -168,9 +181,11 @@ def _train(plan: WorkerPlan) -> int:
         spec = plan.run_spec()
         if _own_rank(plan) == 0:
             warn_of_fork_hang(spec.data)
-        strategy = build_strategy(spec, plan.accelerator, plan.compile_cache)
-        strategy.setup()
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        strategy = build_strategy(
+            spec, plan.accelerator, plan.compile_cache, plan.replica_group, attempt
+        )
+        strategy.setup()
         recipe = load_recipe(spec.recipe.source)
         Trainer(
             spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
@@ -184,7 +199,7 @@ def _train(plan: WorkerPlan) -> int:
         else:  # the user's bug, or ours: the traceback is the message
             traceback.print_exc()
             errors.record_exception(exc)  # the elastic agent's root-cause file, as @record does
-        rank = strategy.rank if strategy is not None else _own_rank(plan)
+        rank = strategy.log_rank if strategy is not None else _own_rank(plan)
         record_failure(plan.run_dir, rank)
         return exc.exit_code if isinstance(exc, LauncherError) else 1
 

@@ -15,9 +15,13 @@ from launcher.worker.optim import apply_after_load
 from launcher.worker.state import TrainState
 
 
-def restart_note(attempt: int, max_restarts: int, resume_from: Path | None) -> str:
+def restart_note(
+    attempt: int, max_restarts: int, resume_from: Path | None, healing: bool = False
+) -> str:
     """The first line of a restarted attempt (torch.distributed.elastic's restart count)."""
     where = f"resuming from {resume_from}" if resume_from else "no checkpoint yet: starting over"
+    if healing:
+        where = "copying the state of a live replica group"
     return f"attempt {attempt + 1} of {max_restarts + 1}: restarted after a failure; {where}"
 
 

@@ -81,7 +81,8 @@ class TrainState:
         """`own` is this rank's saved state, or None when the checkpoint was saved with
         another world size: the rank's random streams are then reseeded."""
         self.scheduler.load_state_dict(state["scheduler"])
-        self.progress = Progress(**state["progress"])
+        # In place: the loop holds this object (a healed replica group loads mid-run).
+        vars(self.progress).update(asdict(Progress(**state["progress"])))
         for part, key in ((self.best, "best"), (self.early, "early_stop")):
             if part is not None:
                 part.load_state_dict(state.get(key))

@@ -1,0 +1,89 @@
+"""The `fault_tolerance` section: per-step fault tolerance on torchft (`launcher.config.spec`
+re-exports it). The launcher's side is `launcher.launch.replica_groups`, the workers'
+`launcher.parallel.fault_tolerant`; docs/fault-tolerance.md says when to use it."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from pydantic import Field, field_validator
+
+from launcher.config.section import Section
+from launcher.errors import UsageError
+
+_ADDRESS = re.compile(r"^(https?://)?[^\s:/]+:\d{1,5}$")
+
+
+class FaultToleranceSection(Section):
+    enabled: bool = Field(
+        False,
+        description="Train on through the loss of a replica group: the other groups keep "
+        "stepping, and the lost group restarts (up to `launch.max_restarts` times) and copies "
+        "the weights from a live group's memory instead of the whole job reloading a "
+        "checkpoint. Needs torchft (extra `launcher[ft]`) and `launch.strategy` ddp or fsdp.",
+    )
+    replica_groups: int = Field(
+        2,
+        ge=1,
+        description="Replica groups on this machine: `launch.devices` is split evenly between "
+        "them, and each trains a whole replica (ddp, or fsdp sharded inside the group). With "
+        "`--nnodes`, each node is one group and this must be 1.",
+    )
+    lighthouse: str = Field(
+        "auto",
+        description="torchft's Lighthouse, which forms each step's quorum of groups: `auto` "
+        "(the launcher starts one, on loopback, for a run of one machine; with `--nnodes`, node "
+        "0 starts one at its `--rdzv-endpoint` host, on port `lighthouse_port`), or the "
+        "`HOST:PORT` of one already running (`torchft_lighthouse`).",
+    )
+    lighthouse_port: int = Field(
+        29510,
+        ge=1,
+        le=65535,
+        description="With `--nnodes` and `lighthouse: auto`: the port node 0's Lighthouse "
+        "listens on.",
+    )
+    heartbeat_timeout_ms: int = Field(
+        1000,
+        ge=100,
+        description="How long a group may go unheard before the Lighthouse drops it from the "
+        "quorum: the survivors' next step comes about this long after a loss.",
+    )
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        description="The fewest groups a step may train with; below it, the groups wait for "
+        "others to join.",
+    )
+    timeout_s: float = Field(
+        60,
+        gt=0,
+        description="How long a collective between groups, or a quorum, may take before it "
+        "counts as failed: a group that hangs without dying is dropped after this.",
+    )
+
+    @field_validator("lighthouse")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if value != "auto" and not _ADDRESS.match(value):
+            raise ValueError(f"expected auto or HOST:PORT, got {value!r}")
+        return value
+
+    def lighthouse_url(self, host: str | None = None) -> str | None:
+        """The Lighthouse's address as torchft takes it; None where the launcher starts one
+        on loopback (`host` None: one machine)."""
+        if self.lighthouse != "auto":
+            given = self.lighthouse
+            return given if given.startswith("http") else f"http://{given}"
+        return f"http://{host}:{self.lighthouse_port}" if host else None
+
+
+def require_torchft() -> None:
+    """torchft, or one line naming the extra (before anything starts: `train` and
+    `train validate`)."""
+    if importlib.util.find_spec("torchft") is None:
+        raise UsageError(
+            "fault_tolerance: needs torchft, which is not installed",
+            hint="pip install 'launcher[ft]', or set fault_tolerance.enabled: false.",
+        )

@@ -1,0 +1,89 @@
+"""The replica groups' losses and heals (`fault_tolerance`), as lines of JSON in the run folder
+(`RunLayout.fault_events`), appended by whoever saw each one:
+
+- the launcher: `lost` (a group's processes failed and its agent restarts them) and `gave_up`
+  (a group failed `launch.max_restarts + 1` times: the others go on without it);
+- each group's rank 0: `quorum` (the groups in its step changed: `groups` of `of`), and
+  `healed` (the group copied a live group's state: `heal_s` seconds, at `step`).
+
+`summarize` turns them into what outcome.json, summary.json and `train runs` show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def record(path: Path, event: str, **fields: Any) -> None:
+    """Appends one event; a line of a few hundred bytes is one write, whole, also when
+    several processes append at once."""
+    line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The events recorded so far, oldest first (a torn last line left out)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
+
+
+def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per loss of a group: when it happened, seconds until the survivors' next
+    step, until the group took part again and its copy of the state, and the steps trained
+    without it."""
+    losses = []
+    for lost in (e for e in events if e["event"] == "lost"):
+        group, at = lost["group"], lost["time"]
+        later = [e for e in events if e["time"] >= at and e.get("group") != group]
+        short = next((e for e in later if e["event"] == "quorum" and e["groups"] < e["of"]), None)
+        own = [e for e in events if e["time"] >= at and e.get("group") == group]
+        healed = next((e for e in own if e["event"] == "healed"), None)
+        full = next((e for e in later if e["event"] == "quorum" and e["groups"] == e["of"]), None)
+        gave_up = any(e["event"] == "gave_up" for e in own)
+        losses.append(
+            {
+                "group": group,
+                "lost_at": at,
+                "next_step_after_s": _since(short, at),
+                "back_after_s": None if gave_up else _since(healed, at),
+                "heal_s": healed["heal_s"] if healed else None,
+                "steps_with_fewer_groups": (
+                    full["step"] - short["step"] if short and full else None
+                ),
+                "gave_up": gave_up,
+            }
+        )
+    return losses
+
+
+def groups_agree(events: list[dict[str, Any]]) -> bool | None:
+    """Whether every group ended with the same parameters, rank by rank (None: fewer than
+    two groups finished)."""
+    ends: dict[int, dict[int, str]] = {}
+    for event in events:
+        if event["event"] == "finished":
+            ends.setdefault(event["rank"], {})[event["group"]] = event["digest"]
+    if not ends or all(len(groups) < 2 for groups in ends.values()):
+        return None
+    return all(len(set(groups.values())) == 1 for groups in ends.values())
+
+
+def _since(event: dict[str, Any] | None, at: float) -> float | None:
+    return None if event is None else round(event["time"] - at, 3)

@@ -1,0 +1,167 @@
+"""`fault_tolerance`: replica groups on torchft, for real: a Lighthouse, one elastic agent per
+group, gloo on loopback, and a recipe that SIGKILLs one process of group 1 once."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher.rundir import fault_events
+from tests.conftest import (
+    finish_train,
+    only_run_dir,
+    run_train,
+    start_train,
+    usage_error,
+    write_spec,
+)
+from tests.tiny_recipes import tiny_recipe, write_recipe
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.timeout(240)
+
+# Group 1's rank 0 kills itself in its first attempt's micro-step KILL_AT; with PAUSE it
+# first sleeps, so that the other group is surely waiting inside the step's all-reduce.
+KILLER = """
+import os, signal, time
+
+calls = 0
+
+
+def loss(model, batch):
+    global calls
+    calls += 1
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    victim = os.environ["REPLICA_GROUP_ID"] == "1" and os.environ["RANK"] == "0"
+    if first and victim and calls == int(os.environ.get("KILL_AT", "30")):
+        time.sleep(float(os.environ.get("PAUSE", "0")))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.04)  # group 0 still trains when group 1 is back (a 3-8 s restart)
+    return tiny.loss(model, batch)
+"""
+
+
+def _spec(tmp_path: Path, strategy: str, devices: int, steps: int = 150, **sections: dict) -> Path:
+    recipe = write_recipe(tmp_path, KILLER)
+    return write_spec(
+        tmp_path / "ft.yaml",
+        launch={"strategy": strategy, "devices": devices, "max_restarts": 2},
+        recipe=tiny_recipe(recipe, model={"hidden": 8}, n_samples=4096),
+        train={"max_steps": steps, "log_every": 10},
+        checkpoint={"every_n_steps": 20},
+        fault_tolerance={"enabled": True, "replica_groups": 2, "heartbeat_timeout_ms": 1000},
+        **sections,
+    )
+
+
+@pytest.mark.parametrize(("strategy", "devices"), [("ddp", 2), ("fsdp", 4)])
+def test_a_killed_group_heals_from_a_live_one_and_the_groups_end_alike(
+    tmp_path: Path, strategy: str, devices: int
+) -> None:
+    result = run_train(["--config", str(_spec(tmp_path, strategy, devices))], tmp_path, 200)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    run_dir = only_run_dir(tmp_path / "runs")
+    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    assert "replica group 1 (ranks" in output and "lost: restarting it" in output
+    losses = fault_events.summarize(events)
+    assert [loss["group"] for loss in losses] == [1], events
+    loss = losses[0]
+    # Group 0 stepped on without group 1, and group 1 came back, healed from memory.
+    assert loss["steps_with_fewer_groups"] and loss["steps_with_fewer_groups"] > 0, events
+    assert loss["heal_s"] is not None and not loss["gave_up"], events
+    healed = run_dir / "logs" / f"rank-{devices // 2}.log"
+    log = healed.read_text()
+    assert "copying the state of a live replica group" in log
+    assert "resuming from" not in log  # no checkpoint read
+    # Both groups trained to the end, with the same parameters, rank by rank.
+    finished = [e for e in events if e["event"] == "finished"]
+    assert {(e["group"], e["step"]) for e in finished} == {(0, 150), (1, 150)}, finished
+    assert fault_events.groups_agree(events) is True, finished
+    outcome = json.loads((run_dir / "outcome.json").read_text())
+    assert outcome["status"] == "finished"
+    assert outcome["replica_group_losses"][0]["group"] == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["fault_tolerance"]["losses"][0]["group"] == 1
+    listed = run_train(["runs", "--output-dir", str(tmp_path / "runs"), "--json"], tmp_path)
+    assert json.loads(listed.stdout)[0]["groups_lost"] == 1, listed.stdout
+
+
+def test_a_group_lost_inside_the_all_reduce_voids_the_step_and_the_other_goes_on(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path, "ddp", 2, steps=40)
+    result = run_train(["--config", str(spec)], tmp_path, 200, env={"PAUSE": "0.5"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = only_run_dir(tmp_path / "runs")
+    survivor = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "step 30 is void" in survivor and "taking it again" in survivor
+    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    assert fault_events.groups_agree(events) is True
+
+
+def test_a_lost_lighthouse_stops_the_run_with_its_checkpoints_intact(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "ddp", 2, steps=5000)
+    proc = start_train(["--config", str(spec)], tmp_path, env={"KILL_AT": "0"})
+    run_dir = _wait_for_checkpoint(tmp_path / "runs", proc)
+    (lighthouse,) = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "launcher.launch.lighthouse" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    lighthouse.kill()
+    result = finish_train(proc, tmp_path, 120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Lighthouse (killed by SIGKILL) is gone" in output
+    assert "checkpoints are intact (newest: step-" in output and "Traceback" not in output
+    from launcher.checkpoint.catalog import latest_complete
+
+    assert latest_complete(run_dir) is not None
+    outcome = json.loads((run_dir / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and "Lighthouse" in outcome["reason"]
+
+
+def _wait_for_checkpoint(runs: Path, proc: object) -> Path:
+    from launcher.checkpoint.catalog import latest_complete
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()  # type: ignore[attr-defined]
+        found = [p for p in runs.glob("*/*") if p.is_dir() and latest_complete(p)]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    pytest.fail("no checkpoint was saved")
+
+
+def test_fault_tolerance_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    uneven = _spec(tmp_path, "ddp", 3)
+    usage_error(
+        run_train(["--config", str(uneven)], tmp_path),
+        "fault_tolerance.replica_groups: 2 groups cannot share 3 processes evenly",
+    )
+    assert not (tmp_path / "runs").exists()
+    xla = _spec(tmp_path, "xla", 1)
+    usage_error(
+        run_train(["validate", "--config", str(xla)], tmp_path),
+        "fault_tolerance: not for launch.strategy xla",
+    )
+
+
+def test_a_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from launcher.config.fault_tolerance import require_torchft
+    from launcher.errors import UsageError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name)
+    )
+    with pytest.raises(UsageError) as caught:
+        require_torchft()
+    assert "launcher[ft]" in caught.value.render()

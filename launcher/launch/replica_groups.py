@@ -92,7 +92,7 @@ class GroupsWatch(AgentWatch):
         if self.light is None or self.light.alive():
             return None
         return (
-            f"error: the fault-tolerance Lighthouse ({self.light.describe_end()}) is gone: no "
+            f"the fault-tolerance Lighthouse ({self.light.describe_end()}) is gone: no "
             "group can step without it; stopping the run"
         )
 

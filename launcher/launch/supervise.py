@@ -88,7 +88,7 @@ def supervise(
                 if running:
                     watch.ended(agent)
             if (fault := watch.fault()) is not None:
-                console.print(fault, style="bold red", highlight=False, soft_wrap=True)
+                console.print(f"error: {fault}", style="bold red", highlight=False, soft_wrap=True)
                 kill_workers(spare)
                 return Outcome(RuntimeError(fault), signals.received, signals.name, fault=fault)
             if folder.gone() and not folder.stop_in_new_folder(stop_request, console):

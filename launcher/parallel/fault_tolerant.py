@@ -156,9 +156,12 @@ class FaultTolerantMixin:
         groups = manager.num_participants()
         if groups < self.group.count:
             self.fewer_groups_steps += 1
-        if groups != self._groups:
+        if groups != self._groups:  # said in the live display, and recorded
             self._groups = groups
             self._record("quorum", step=manager.current_step(), groups=groups, of=self.group.count)
+            self.say(
+                f"step {manager.current_step() + 1}: {groups} of {self.group.count} replica groups train"
+            )  # type: ignore[attr-defined]
         self.seed(rank_seed(self.seed_base, self.dp_rank, manager.current_step() + 1))  # type: ignore[attr-defined]
         return moved
 

@@ -19,7 +19,7 @@ from tests.conftest import (
     usage_error,
     write_spec,
 )
-from tests.tiny_recipes import tiny_recipe, write_recipe
+from tests.tiny_recipes import recipe_text, tiny_recipe, write_recipe
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(240)
@@ -68,6 +68,7 @@ def test_a_killed_group_heals_from_a_live_one_and_the_groups_end_alike(
     run_dir = only_run_dir(tmp_path / "runs")
     events = fault_events.read(run_dir / "fault-tolerance.jsonl")
     assert "replica group 1 (ranks" in output and "lost: restarting it" in output
+    assert "1 of 2 replica groups train" in output and "2 of 2 replica groups train" in output
     losses = fault_events.summarize(events)
     assert [loss["group"] for loss in losses] == [1], events
     loss = losses[0]
@@ -116,13 +117,14 @@ def test_a_lost_lighthouse_stops_the_run_with_its_checkpoints_intact(tmp_path: P
     result = finish_train(proc, tmp_path, 120)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
-    assert "Lighthouse (killed by SIGKILL) is gone" in output
+    assert "error: the fault-tolerance Lighthouse (killed by SIGKILL) is gone" in output
     assert "checkpoints are intact (newest: step-" in output and "Traceback" not in output
     from launcher.checkpoint.catalog import latest_complete
 
     assert latest_complete(run_dir) is not None
     outcome = json.loads((run_dir / "outcome.json").read_text())
-    assert outcome["status"] == "failed" and "Lighthouse" in outcome["reason"]
+    assert outcome["status"] == "failed"
+    assert outcome["reason"].startswith("the fault-tolerance Lighthouse")
 
 
 def _wait_for_checkpoint(runs: Path, proc: object) -> Path:
@@ -165,3 +167,32 @@ def test_a_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(UsageError) as caught:
         require_torchft()
     assert "launcher[ft]" in caught.value.render()
+
+
+def test_a_resume_from_disk_is_exact(tmp_path: Path) -> None:
+    """Random streams come from (seed, rank, step): a run resumed from its checkpoint ends
+    where the uninterrupted run does (the recipe's dropout draws on every step)."""
+    dropout = "\n\ndef build_model(**kw):\n    import torch\n\n    return torch.nn.Sequential(tiny.build_model(**kw), torch.nn.Dropout(0.5))\n"
+    ends = []
+    for name, legs in (("whole", ["train.max_steps=40"]), ("resumed", ["train.max_steps=20"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "recipe.py").write_text(recipe_text(KILLER + dropout))
+        spec = write_spec(
+            folder / "ft.yaml",
+            launch={"strategy": "ddp", "devices": 2},
+            recipe=tiny_recipe(folder / "recipe.py", n_samples=4096),
+            checkpoint={"every_n_steps": 10},
+            fault_tolerance={"enabled": True, "replica_groups": 2},
+        )
+        steps = (
+            [legs, ["--resume", "latest", "train.max_steps=40"]] if name == "resumed" else [legs]
+        )
+        for args in steps:
+            result = run_train(["--config", str(spec), *args], folder, 200, env={"KILL_AT": "0"})
+            assert result.returncode == 0, result.stdout + result.stderr
+        events = fault_events.read(only_run_dir(folder / "runs") / "fault-tolerance.jsonl")
+        ends.append(
+            {(e["group"], e["step"], e["digest"]) for e in events if e["event"] == "finished"}
+        )
+    assert ends[0] == ends[1] and len(ends[0]) == 2, ends

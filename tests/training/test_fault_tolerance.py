@@ -24,7 +24,8 @@ from tests.tiny_recipes import recipe_text, tiny_recipe, write_recipe
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(240)
 
-# Group 1's rank 0 kills itself in its first attempt's micro-step KILL_AT; with PAUSE it
+# Group 1's rank 0 kills itself in its first attempt's micro-step KILL_AT (every attempt's,
+# with ALWAYS); with PAUSE it
 # first sleeps, so that the other group is surely waiting inside the step's all-reduce.
 KILLER = """
 import os, signal, time
@@ -35,7 +36,7 @@ calls = 0
 def loss(model, batch):
     global calls
     calls += 1
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" or "ALWAYS" in os.environ
     victim = os.environ["REPLICA_GROUP_ID"] == "1" and os.environ["RANK"] == "0"
     if first and victim and calls == int(os.environ.get("KILL_AT", "30")):
         time.sleep(float(os.environ.get("PAUSE", "0")))
@@ -45,11 +46,18 @@ def loss(model, batch):
 """
 
 
-def _spec(tmp_path: Path, strategy: str, devices: int, steps: int = 150, **sections: dict) -> Path:
+def _spec(
+    tmp_path: Path,
+    strategy: str,
+    devices: int,
+    steps: int = 150,
+    restarts: int = 2,
+    **sections: dict,
+) -> Path:
     recipe = write_recipe(tmp_path, KILLER)
     return write_spec(
         tmp_path / "ft.yaml",
-        launch={"strategy": strategy, "devices": devices, "max_restarts": 2},
+        launch={"strategy": strategy, "devices": devices, "max_restarts": restarts},
         recipe=tiny_recipe(recipe, model={"hidden": 8}, n_samples=4096),
         train={"max_steps": steps, "log_every": 10},
         checkpoint={"every_n_steps": 20},
@@ -103,6 +111,19 @@ def test_a_group_lost_inside_the_all_reduce_voids_the_step_and_the_other_goes_on
     assert "step 30 is void" in survivor and "taking it again" in survivor
     events = fault_events.read(run_dir / "fault-tolerance.jsonl")
     assert fault_events.groups_agree(events) is True
+
+
+def test_a_group_that_keeps_failing_is_left_out_and_the_others_finish(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "ddp", 2, restarts=1)
+    result = run_train(["--config", str(spec)], tmp_path, 200, env={"ALWAYS": "1", "KILL_AT": "3"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "replica group 1 failed 2 times (launch.max_restarts): the other groups go on" in output
+    run_dir = only_run_dir(tmp_path / "runs")
+    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    assert [e["group"] for e in events if e["event"] == "finished"] == [0], events
+    outcome = json.loads((run_dir / "outcome.json").read_text())
+    assert outcome["status"] == "finished" and outcome["replica_group_losses"][-1]["gave_up"]
 
 
 def test_a_lost_lighthouse_stops_the_run_with_its_checkpoints_intact(tmp_path: Path) -> None:

@@ -26,9 +26,10 @@ class FaultToleranceSection(Section):
     replica_groups: int = Field(
         2,
         ge=1,
-        description="Replica groups on this machine: `launch.devices` is split evenly between "
-        "them, and each trains a whole replica (ddp, or fsdp sharded inside the group). With "
-        "`--nnodes`, each node is one group and this must be 1.",
+        description="Replica groups on each machine: its processes (`launch.devices`) are "
+        "split evenly between them, and each group trains a whole replica (ddp, or fsdp "
+        "sharded inside the group). With `--nnodes N`, the run has N times as many, node K's "
+        "after those of the nodes before it; 1 makes each node one group.",
     )
     lighthouse: str = Field(
         "auto",

@@ -27,36 +27,39 @@ WORKER_MODULE = "launcher.worker.main"
 def agent_config(
     plan: LaunchPlan,
     on_round: Callable[[rendezvous.Round], None],
-    group: int | None = None,  # a replica group's own agent (`fault_tolerance`), on this machine
+    group: int | None = None,  # a replica group's own agent (`fault_tolerance`): its index here
 ) -> tuple[LaunchConfig, list[str]]:
     """The elastic agent's configuration, and the arguments of the interpreter it starts:
     the worker module and the one file that tells a worker everything (`--plan`).
-    `on_round` is called with each rendezvous round, before that round's workers start."""
+    `on_round` is called with each rendezvous round, before that round's workers start.
+    A replica group's agent runs a group of this machine alone: its rendezvous is its own,
+    whatever the run's nodes."""
     nodes = plan.nodes
     folder = plan.node_dir if group is None else RunLayout.replica_group(plan.node_dir, group)
-    nproc = plan.nproc if group is None else plan.group_size
-    run_id = nodes.job_id if nodes.multi else f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}"
+    one_node = group is not None or not nodes.multi
+    listen = plan.group_listen if group is not None else rendezvous.LOOPBACK
     node = rendezvous.NodeConfig(
-        nproc=nproc,
+        nproc=plan.nproc if group is None else plan.group_size,
         spec_digest=hashlib.sha256(spec_to_yaml(plan.spec).encode()).hexdigest()[:12],
-        node_rank=nodes.node_rank,
-        loopback=not nodes.multi,
+        node_rank=None if one_node else nodes.node_rank,
+        loopback=one_node,
+        listen=listen,
         on_round=on_round,
     )
-    local = not nodes.multi or nodes.is_local
+    run_id = f"{plan.spec.run.name}-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
-        min_nodes=nodes.min,
-        max_nodes=nodes.max,
-        nproc_per_node=nproc,
+        min_nodes=1 if one_node else nodes.min,
+        max_nodes=1 if one_node else nodes.max,
+        nproc_per_node=node.nproc,
         # The same on every node; a single node's own, so that two runs never share one.
-        run_id=run_id if group is None else f"{run_id}-group-{group}",
+        run_id=run_id if one_node else str(nodes.job_id),
         rdzv_backend=rendezvous.register(),
         # One node: c10d's rendezvous on stores that listen on loopback only, each on a free
         # port of its own (so two runs never race for one).
-        rdzv_endpoint=nodes.endpoint if nodes.multi else f"{rendezvous.LOOPBACK}:0",
+        rdzv_endpoint=f"{listen}:0" if one_node else nodes.endpoint,
         rdzv_configs=node.rdzv_configs(),
         # The address the other nodes reach this one at: the workers' MASTER_ADDR on node 0.
-        local_addr=rendezvous.LOOPBACK if local else None,
+        local_addr=_local_addr(plan, group),
         max_restarts=plan.spec.launch.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -64,6 +67,16 @@ def agent_config(
     )
     argv = ["-u", "-m", WORKER_MODULE, "--plan", str(RunLayout.worker_plan(folder))]
     return config, argv
+
+
+def _local_addr(plan: LaunchPlan, group: int | None) -> str | None:
+    """MASTER_ADDR: loopback on one machine; a replica group's, where the other machines'
+    groups reach its store (`plan.group_host`); else torch's choice (the host name)."""
+    if group is not None:
+        return plan.group_host
+    if not plan.nodes.multi or plan.nodes.is_local:
+        return rendezvous.LOOPBACK
+    return None
 
 
 class AgentLogs(DefaultLogsSpecs):

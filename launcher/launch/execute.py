@@ -102,7 +102,7 @@ def _announce(plan: LaunchPlan, console: Console) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    if plan.nodes.multi:
+    if plan.nodes.multi and not plan.replica_groups:  # groups meet at the Lighthouse instead
         console.print(plan.nodes.describe(), highlight=False, soft_wrap=True)
 
 

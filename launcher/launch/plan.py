@@ -6,6 +6,7 @@ Nothing here starts a process or writes a file, so every decision can be unit-te
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.ranks import parse_ranks
+from launcher.launch.rendezvous import LOOPBACK
 from launcher.launch.resume_decision import ResumeDecision, decide_resume
 from launcher.metrics.trackers import check_trackers_usable
 from launcher.parallel import float8
@@ -77,6 +79,32 @@ class LaunchPlan:
         """Processes of one replica group."""
         return self.nproc // max(1, self.replica_groups)
 
+    @property
+    def first_group(self) -> int:
+        """The run's index of this machine's first replica group: node K's come after the
+        groups of the nodes before it."""
+        return (self.nodes.node_rank or 0) * self.replica_groups
+
+    @property
+    def all_groups(self) -> int:
+        """Replica groups of the run, on every node."""
+        return self.replica_groups * self.nodes.max
+
+    @property
+    def group_host(self) -> str:
+        """The address the other machines' groups reach this machine's groups at (their
+        stores, Managers and state servers): loopback where every node is on this machine."""
+        if not self.nodes.multi or self.nodes.is_local:
+            return LOOPBACK
+        return socket.gethostname()
+
+    @property
+    def group_listen(self) -> str:
+        """Where a replica group's stores listen: loopback, or every interface for the groups
+        of other machines."""
+        host = self.group_host
+        return host if host == LOOPBACK else "0.0.0.0"
+
     def worker_env(self) -> dict[str, str]:
         """Settings of the libraries in the workers' processes (OpenMP's threads, glibc's
         allocator, XLA's device count, MLflow's logging), on top of the launcher's environment,
@@ -103,7 +131,7 @@ class LaunchPlan:
             accelerator=self.accelerator,
             xla_spawn=("all" if self.devices.spawn_all else "1") if spawn else None,
             # A replica group's agent numbers its processes from 0, as a TPU host's does.
-            rank_offset=self.rank_offset + (group.first_device if group else 0),
+            rank_offset=self.rank_offset + (group.index * self.group_size if group else 0),
             resume_from=self.resume_from,
             compile_cache=self._compile_cache(),
             config_file=self.config_file,
@@ -281,16 +309,16 @@ def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes) -> None
     """`fault_tolerance`: torchft there, and the devices split evenly between the groups."""
     require_torchft()
     groups = spec.fault_tolerance.replica_groups
-    if nodes.multi:
+    if nodes.multi and (nodes.elastic or nodes.node_rank is None):
         raise UsageError(
-            "fault_tolerance: not with --nnodes yet; run it on one machine "
-            "(fault_tolerance.replica_groups groups of its devices)",
+            "fault_tolerance: on several machines every node needs a fixed --nnodes and its "
+            "--node-rank: it names the node's replica groups",
             hint="docs/fault-tolerance.md, 'Several machines'.",
         )
-    if groups < 2:
+    if groups * nodes.max < 2:
         raise UsageError(
             f"fault_tolerance.replica_groups: {groups}: a group survives only beside another; "
-            "give 2 or more",
+            "give 2 or more (or run on several nodes)",
         )
     if devices.processes % groups:
         raise UsageError(

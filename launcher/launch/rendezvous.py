@@ -44,7 +44,8 @@ class NodeConfig:
     nproc: int  # worker processes on this node: every node must run as many
     spec_digest: str = ""  # of the resolved spec: every node must train the same run
     node_rank: int | None = None  # group rank to take (a fixed node count), or c10d's order
-    loopback: bool = True  # a single node: stores on 127.0.0.1 only
+    loopback: bool = True  # a single node: stores of its own, on `listen` (127.0.0.1) only
+    listen: str = LOOPBACK  # a replica group of a run of several machines: 0.0.0.0
     on_round: Callable[[Round], None] | None = None  # told before the workers start
 
     def rdzv_configs(self) -> dict[str, Any]:
@@ -56,17 +57,18 @@ class NodeConfig:
         return configs
 
 
-def loopback_store(timeout_s: float = 60) -> Any:
-    """A TCPStore server that accepts connections from this machine only, on a free port."""
+def loopback_store(timeout_s: float = 60, listen: str = LOOPBACK) -> Any:
+    """A TCPStore server that accepts connections from this machine only (`listen`: 0.0.0.0,
+    from anywhere), on a free port."""
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, 0))
+    sock.bind((listen, 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
     return dist.TCPStore(
-        LOOPBACK,
+        LOOPBACK if listen == LOOPBACK else socket.gethostname(),
         port,
         is_master=True,
         multi_tenant=True,
@@ -87,13 +89,13 @@ def _create_handler(params: Any) -> Any:
             return NAME
 
     if node.loopback:
-        store = loopback_store(params.get_as_int("read_timeout", 60))
+        store = loopback_store(params.get_as_int("read_timeout", 60), node.listen)
     else:
         _, store = c10d_rendezvous_backend.create_backend(params)
     handler = create_handler(store, Backend(store, params.run_id), params)
     if node.loopback:
         # The store the workers bootstrap from (MASTER_ADDR:MASTER_PORT) is made by this.
-        handler._create_tcp_store_server = lambda addr, port: loopback_store()
+        handler._create_tcp_store_server = lambda addr, port: loopback_store(listen=node.listen)
     join = handler.next_rendezvous
 
     def next_round() -> Any:

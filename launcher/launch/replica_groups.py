@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.text import Text
@@ -30,33 +31,47 @@ from launcher.rundir.worker_plan import ReplicaGroup
 
 
 def supervise_groups(plan: LaunchPlan, console: Console, spare: int) -> Outcome:
-    """Starts the Lighthouse (`lighthouse: auto`) and every group's agent, and supervises
-    them until every group has ended."""
-    options = plan.spec.fault_tolerance
-    given = options.lighthouse_url()
-    plan.layout.fault_events.write_text("")  # an earlier attempt's events are not this one's
-    log = plan.layout.logs / "lighthouse.log"
-    ours = lighthouse.started(options, f"{rendezvous.LOOPBACK}:0", log) if given is None else None
-    with ours or contextlib.nullcontext() as lit:
-        address = given or lit.address
+    """Starts the Lighthouse (`lighthouse: auto`, on node 0) and every group's agent on this
+    machine, and supervises them until every group has ended."""
+    if plan.writes_shared_files:  # an earlier attempt's events are not this one's
+        plan.layout.fault_events.write_text("")
+    with _lighthouse(plan) as (address, ours):
         view = GroupsView(plan, console)
         agents = [_group_agent(plan, group, address, view) for group in range(plan.replica_groups)]
+        first, size = plan.first_group, plan.group_size
+        groups = f"{first}-{first + plan.replica_groups - 1}" if plan.replica_groups > 1 else first
         console.print(
-            f"fault tolerance: {plan.replica_groups} replica groups of {plan.group_size} "
-            f"process{'es' if plan.group_size > 1 else ''}, Lighthouse at {address}",
+            f"fault tolerance: replica groups {groups} of {plan.all_groups} here, "
+            f"{size} process{'es' if size > 1 else ''} each, Lighthouse at {address}",
             highlight=False,
             soft_wrap=True,
         )
-        return supervise(plan, agents, view, console, spare, GroupsWatch(plan, console, lit))
+        return supervise(plan, agents, view, console, spare, GroupsWatch(plan, console, ours))
+
+
+@contextlib.contextmanager
+def _lighthouse(plan: LaunchPlan) -> Iterator[tuple[str, lighthouse.Lighthouse | None]]:
+    """The Lighthouse's address, and its process where this launcher started it: a given
+    one's (`fault_tolerance.lighthouse: HOST:PORT`), or ours (`auto`): on loopback for a run
+    of one machine, else on node 0 at `--rdzv-endpoint`'s host, port `lighthouse_port`."""
+    options, nodes = plan.spec.fault_tolerance, plan.nodes
+    given = options.lighthouse_url(nodes.host if nodes.multi else None)
+    if given is not None and (options.lighthouse != "auto" or nodes.node_rank != 0):
+        yield given, None
+        return
+    port = options.lighthouse_port if nodes.multi else 0
+    bind = f"{plan.group_listen}:{port}"
+    with lighthouse.started(options, bind, plan.layout.logs / "lighthouse.log") as ours:
+        yield (given or ours.address), ours
 
 
 def _group_agent(plan: LaunchPlan, index: int, address: str, view: GroupsView) -> AgentThread:
     """Group `index`'s agent, its worker plan written."""
     group = ReplicaGroup(
-        index=index,
-        count=plan.replica_groups,
+        index=plan.first_group + index,
+        count=plan.all_groups,
         lighthouse=address,
-        host=rendezvous.LOOPBACK,
+        host=plan.group_host,
         first_device=index * plan.group_size,
         events=str(plan.layout.fault_events.absolute()),
     )
@@ -75,7 +90,7 @@ class GroupsWatch(AgentWatch):
         self.agents_ended: list[str] = []
 
     def ended(self, agent: AgentThread) -> None:
-        group = int(agent.name.rsplit("-", 1)[1])
+        group = self.plan.first_group + int(agent.name.rsplit("-", 1)[1])
         if agent.error is None:
             return  # finished its steps; the others finish theirs
         fault_events.record(self.plan.layout.fault_events, "gave_up", group=group)
@@ -123,10 +138,12 @@ class GroupsView(NodeView):
         super().__init__(plan, console)
         self._watchdogs: dict[int, Watchdog] = {}
         self._rounds: dict[int, int] = {}
-        self.ranks = range(plan.nproc)
+        first = plan.first_group * plan.group_size
+        self.ranks = range(first, first + plan.nproc)
 
-    def follow_group(self, group: int, round: rendezvous.Round) -> None:
+    def follow_group(self, local: int, round: rendezvous.Round) -> None:
         plan, size = self.plan, self.plan.group_size
+        group = plan.first_group + local
         ranks = range(group * size, (group + 1) * size)
         for rank in ranks:  # left by the group's earlier attempt: not a stall
             plan.layout.beat(rank).unlink(missing_ok=True)

@@ -145,6 +145,8 @@ class FaultTolerantMixin:
             manager.load_state_dict({"step": step, "batches_committed": 0})
         started = time.perf_counter()
         manager.start_quorum()
+        if not self._joined and not self.restarted:
+            self._wait_for_every_group()
         moved, self._healed = self._healed, False
         if moved:
             healed = {"step": manager.current_step(), "heal_s": time.perf_counter() - started}
@@ -153,17 +155,29 @@ class FaultTolerantMixin:
         elif not self._joined and self.restarted and manager.current_step() == 0:
             moved = self._reload_without_peers()
         self._joined = True
-        groups = manager.num_participants()
-        if groups < self.group.count:
-            self.fewer_groups_steps += 1
-        if groups != self._groups:  # said in the live display, and recorded
-            self._groups = groups
-            self._record("quorum", step=manager.current_step(), groups=groups, of=self.group.count)
-            self.say(
-                f"step {manager.current_step() + 1}: {groups} of {self.group.count} replica groups train"
-            )  # type: ignore[attr-defined]
+        self._note_quorum(manager.num_participants())
         self.seed(rank_seed(self.seed_base, self.dp_rank, manager.current_step() + 1))  # type: ignore[attr-defined]
         return moved
+
+    def _wait_for_every_group(self) -> None:
+        """The run's first step waits for every group (up to `timeout_s`): the nodes of a run
+        start seconds apart, and a group that stepped alone meanwhile would have the others
+        copy its state, or, lost before they came, leave them to start over."""
+        deadline = time.monotonic() + self.ft.timeout_s
+        while self.manager.num_participants() < self.group.count and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.manager.start_quorum()
+
+    def _note_quorum(self, groups: int) -> None:
+        """Counts a step with fewer groups; a change of the quorum is said and recorded."""
+        if groups < self.group.count:
+            self.fewer_groups_steps += 1
+        if groups == self._groups:
+            return
+        self._groups = groups
+        step, count = self.manager.current_step(), self.group.count
+        self._record("quorum", step=step, groups=groups, of=count)
+        self.say(f"step {step + 1}: {groups} of {count} replica groups train")  # type: ignore[attr-defined]
 
     def _record(self, event: str, **fields: Any) -> None:
         """One event of this group (`launcher.rundir.fault_events`), by its rank 0."""

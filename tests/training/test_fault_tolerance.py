@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from launcher.rundir import fault_events
 from tests.conftest import (
@@ -168,6 +169,12 @@ def test_fault_tolerance_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
         "fault_tolerance.replica_groups: 2 groups cannot share 3 processes evenly",
     )
     assert not (tmp_path / "runs").exists()
+    no_rank = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j"]
+    usage_error(
+        run_train(["--config", str(_spec(tmp_path, "ddp", 2)), *no_rank], tmp_path),
+        "fault_tolerance: on several machines every node needs a fixed --nnodes and its "
+        "--node-rank",
+    )
     xla = _spec(tmp_path, "xla", 1)
     usage_error(
         run_train(["validate", "--config", str(xla)], tmp_path),
@@ -217,3 +224,32 @@ def test_a_resume_from_disk_is_exact(tmp_path: Path) -> None:
             {(e["group"], e["step"], e["digest"]) for e in events if e["event"] == "finished"}
         )
     assert ends[0] == ends[1] and len(ends[0]) == 2, ends
+
+
+def test_two_nodes_each_a_group_heal_across_machines(tmp_path: Path) -> None:
+    """`--nnodes 2`: each node runs one group under its own agent; node 0 starts the
+    Lighthouse at the rendezvous host. Node 1's group is lost and heals from node 0's."""
+    from tests.conftest import free_port
+
+    spec = _spec(tmp_path, "ddp", 1)
+    ft = yaml.safe_load(spec.read_text())
+    ft["fault_tolerance"] |= {"replica_groups": 1, "lighthouse_port": free_port()}
+    spec.write_text(yaml.safe_dump(ft))
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        start_train(
+            ["--config", str(spec), "--nnodes", "2", "--node-rank", str(rank),
+             "--rdzv-endpoint", endpoint, "--rdzv-id", "job"],
+            tmp_path,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    results = [finish_train(node, tmp_path, 200) for node in nodes]
+    for result in results:
+        assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "t" / "job"  # the nodes share it: the job names it
+    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    assert [loss["group"] for loss in fault_events.summarize(events)] == [1], events
+    assert any(e["event"] == "healed" and e["group"] == 1 for e in events), events
+    assert fault_events.groups_agree(events) is True, events
+    assert "replica groups 1 of 2 here" in results[1].stdout + results[1].stderr

@@ -215,6 +215,13 @@ class FaultTolerantMixin:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        # The group's mean, then the groups': metrics and evaluations are the run's, not a
+        # group's share. A group lost meanwhile leaves the groups' own (the step then is void).
+        mean = super().reduce_mean(values)  # type: ignore[misc]
+        self.manager.allreduce(mean).wait()
+        return mean
+
     def commit_step(self) -> bool:
         self._in_quorum = False
         error = self.manager.errored()

@@ -253,3 +253,23 @@ def test_two_nodes_each_a_group_heal_across_machines(tmp_path: Path) -> None:
     assert any(e["event"] == "healed" and e["group"] == 1 for e in events), events
     assert fault_events.groups_agree(events) is True, events
     assert "replica groups 1 of 2 here" in results[1].stdout + results[1].stderr
+
+
+def test_metrics_and_evaluations_are_the_runs_not_a_groups_share(tmp_path: Path) -> None:
+    """Each group trains and evaluates its share; what each group's rank 0 logs is reduced
+    across the groups too, so both say the same losses."""
+    spec = _spec(tmp_path, "ddp", 2, steps=20, eval={"every_n_steps": 10, "max_batches": 4})
+    result = run_train(["--config", str(spec)], tmp_path, 200, env={"KILL_AT": "0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = only_run_dir(tmp_path / "runs") / "logs"
+    said = [
+        [line for line in (logs / f"rank-{rank}.log").read_text().splitlines() if "loss" in line]
+        for rank in (0, 1)
+    ]
+    # "eval at step 10 | val/loss 1.024 | 0.17 s": the seconds are each group's own.
+    evaluations = [
+        [line.rsplit("|", 1)[0] for line in lines if "val/loss" in line] for lines in said
+    ]
+    assert len(evaluations[0]) == 2 and evaluations[0] == evaluations[1], said
+    losses = [[line.split("|")[1] for line in lines if line.startswith("step ")] for lines in said]
+    assert losses[0] and losses[0] == losses[1], said

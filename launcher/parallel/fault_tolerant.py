@@ -69,6 +69,7 @@ class FaultTolerantMixin:
         self._joined = False
         self._in_quorum = False  # a quorum taken for the step under way: never twice
         self._groups = group.count  # in the last quorum
+        self._quorum: object = None  # the last quorum's id
         self._shared: tuple[Any, Any, Any] | None = None
         self.fewer_groups_steps = 0  # steps trained while some group was missing
         self.heals: list[dict[str, float]] = []
@@ -169,15 +170,19 @@ class FaultTolerantMixin:
             self.manager.start_quorum()
 
     def _note_quorum(self, groups: int) -> None:
-        """Counts a step with fewer groups; a change of the quorum is said and recorded."""
+        """Counts a step with fewer groups; records each new quorum (a group lost or back,
+        also where their count stays: a lost group may be back before the next step), and
+        says each change of their count."""
         if groups < self.group.count:
             self.fewer_groups_steps += 1
-        if groups == self._groups:
-            return
-        self._groups = groups
         step, count = self.manager.current_step(), self.group.count
-        self._record("quorum", step=step, groups=groups, of=count)
-        self.say(f"step {step + 1}: {groups} of {count} replica groups train")  # type: ignore[attr-defined]
+        quorum = getattr(self.manager, "_quorum_id", None)  # torchft's; no public reader
+        if quorum != self._quorum:
+            self._quorum = quorum
+            self._record("quorum", step=step, groups=groups, of=count)
+        if groups != self._groups:
+            self._groups = groups
+            self.say(f"step {step + 1}: {groups} of {count} replica groups train")  # type: ignore[attr-defined]
 
     def _record(self, event: str, **fields: Any) -> None:
         """One event of this group (`launcher.rundir.fault_events`), by its rank 0."""

@@ -3,7 +3,7 @@
 
 - the launcher: `lost` (a group's processes failed and its agent restarts them) and `gave_up`
   (a group failed `launch.max_restarts + 1` times: the others go on without it);
-- each group's rank 0: `quorum` (the groups in its step changed: `groups` of `of`), and
+- each group's rank 0: `quorum` (a new quorum: `groups` of `of` train from `step`), and
   `healed` (the group copied a live group's state: `heal_s` seconds, at `step`).
 
 `summarize` turns them into what outcome.json, summary.json and `train runs` show.
@@ -47,30 +47,32 @@ def read(path: Path) -> list[dict[str, Any]]:
 def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per loss of a group: when it happened, seconds until the survivors' next
     step, until the group took part again and its copy of the state, and the steps trained
-    without it."""
-    losses = []
-    for lost in (e for e in events if e["event"] == "lost"):
-        group, at = lost["group"], lost["time"]
-        later = [e for e in events if e["time"] >= at and e.get("group") != group]
-        short = next((e for e in later if e["event"] == "quorum" and e["groups"] < e["of"]), None)
-        own = [e for e in events if e["time"] >= at and e.get("group") == group]
-        healed = next((e for e in own if e["event"] == "healed"), None)
-        full = next((e for e in later if e["event"] == "quorum" and e["groups"] == e["of"]), None)
-        gave_up = any(e["event"] == "gave_up" for e in own)
-        losses.append(
-            {
-                "group": group,
-                "lost_at": at,
-                "next_step_after_s": _since(short, at),
-                "back_after_s": None if gave_up else _since(healed, at),
-                "heal_s": healed["heal_s"] if healed else None,
-                "steps_with_fewer_groups": (
-                    full["step"] - short["step"] if short and full else None
-                ),
-                "gave_up": gave_up,
-            }
-        )
-    return losses
+    without it (0 where it was back before the survivors' next step)."""
+    return [_loss(lost, events) for lost in events if lost["event"] == "lost"]
+
+
+def _loss(lost: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    group, at = lost["group"], lost["time"]
+    quorums = [
+        e for e in events if e["event"] == "quorum" and e["time"] >= at and e["group"] != group
+    ]
+    short = next((e for e in quorums if e["groups"] < e["of"]), None)
+    full = next((e for e in quorums if e["groups"] == e["of"]), None)
+    own = [e for e in events if e["time"] >= at and e.get("group") == group]
+    healed = next((e for e in own if e["event"] == "healed"), None)
+    gave_up = any(e["event"] == "gave_up" for e in own)
+    fewer = None
+    if full is not None:
+        fewer = full["step"] - short["step"] if short is not None else 0
+    return {
+        "group": group,
+        "lost_at": at,
+        "next_step_after_s": _since(quorums[0] if quorums else None, at),
+        "back_after_s": None if gave_up else _since(healed, at),
+        "heal_s": healed["heal_s"] if healed else None,
+        "steps_with_fewer_groups": fewer,
+        "gave_up": gave_up,
+    }
 
 
 def groups_agree(events: list[dict[str, Any]]) -> bool | None:

@@ -320,7 +320,8 @@ class Trainer:
             self.strategy.summary(),
             best=self.checkpointer.catalog.best() if self.state.best else None,
             skipped=self.state.nonfinite.skipped,
-            last=self.checkpointer.catalog.latest(),
+            # Another replica group's saves may land after this line: it names none.
+            last=self.checkpointer.catalog.latest() if self.strategy.saves_checkpoints else None,
             written=self.checkpointer.write_times,
         )
 

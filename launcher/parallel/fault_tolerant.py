@@ -190,8 +190,8 @@ class FaultTolerantMixin:
             fault_events.record(Path(self.group.events), event, group=self.group.index, **fields)
 
     def _reload_without_peers(self) -> bool:
-        """A restarted group that found no group ahead of it: every group was lost at once,
-        so the run goes on from the newest checkpoint, as a restarted job does."""
+        """A restarted group that found no group ahead of it (every group was lost at once,
+        or none has stepped yet) goes on from the newest checkpoint, as a restarted job does."""
         assert self._shared is not None
         _, loop, reload = self._shared
         if not reload():
@@ -237,7 +237,7 @@ class FaultTolerantMixin:
         return committed
 
     def teardown(self) -> None:
-        if self._shared is not None:  # trained to the end: what the groups should agree on
+        if self._shared is not None and self.group.events:  # what the groups should agree on
             step = self._shared[1].progress.step
             digest = _digest(self._shared[0].model)
             fault_events.record(

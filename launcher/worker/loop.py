@@ -122,16 +122,20 @@ class Trainer:
         restarted replica group with no live group to heal from); whether it did."""
         newest = self.strategy.from_main(attempt_start(None, self.layout.root, self.attempt))
         where = f"resuming from {newest}" if newest else "no checkpoint yet: starting over"
-        self._say(f"no live replica group to copy from (every group was lost): {where}")
+        self._say(f"no replica group is ahead of this one to copy from: {where}")
         if newest is None:
             return False
         self.resume_from = newest
-        restore(
-            newest, self.checkpointer, self.state, self.strategy, self.spec, self.optim_settings
-        )
+        self._restore(newest)
         self.saved_at = self.progress.step  # the end saves nothing new at this step
-        self.telemetry.mark_resumed(self.progress.step)
         return True
+
+    def _restore(self, path: Path) -> None:
+        """Collective: every state from the checkpoint at `path`."""
+        restore(path, self.checkpointer, self.state, self.strategy, self.spec, self.optim_settings)
+        # Steps past this one that metrics.jsonl holds were lost with the attempt that wrote
+        # them: readers drop them at this mark, and see each step once.
+        self.telemetry.mark_resumed(self.progress.step)
 
     def _pipeline_input(self) -> PipelineInput:
         """What the strategy cuts the model into pipeline stages by (`parallel.pp`)."""
@@ -190,13 +194,7 @@ class Trainer:
         # processes of a tensor-parallel group the same ones; a resume restores them as saved.
         self.strategy.seed(rank_seed(self.spec.run.seed, self.strategy.dp_rank))
         if self.resume_from is not None:
-            restore(
-                self.resume_from, self.checkpointer, self.state, self.strategy, self.spec,
-                self.optim_settings,
-            )  # fmt: skip
-            # Steps past this one that metrics.jsonl holds were lost with the attempt that
-            # wrote them: readers drop them at this mark, and see each step once.
-            self.telemetry.mark_resumed(self.progress.step)
+            self._restore(self.resume_from)
         self.telemetry.sinks_started()
         self.telemetry.start_from(self.progress.step)
         resumed = self.progress.step if self.resume_from else None

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from launcher.config.fault_tolerance import FaultToleranceSection
-from launcher.parallel.base import Strategy, local_shard
+from launcher.parallel.base import Strategy, local_shard, map_tensors
 from launcher.parallel.rng import rank_seed
 from launcher.rundir import fault_events
 from launcher.rundir.worker_plan import ReplicaGroup
@@ -301,13 +301,12 @@ def _packed(tree: Any) -> Any:
     """`tree` with every DTensor as a `_Shard`: a device mesh does not travel."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(tree, DTensor):
-        return _Shard(tree.to_local(), tuple(tree.placements), tree.shape, tree.stride())
-    if isinstance(tree, dict):
-        return {k: _packed(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_packed(v) for v in tree)
-    return tree
+    def pack(tensor: torch.Tensor) -> Any:
+        if not isinstance(tensor, DTensor):
+            return tensor
+        return _Shard(tensor.to_local(), tuple(tensor.placements), tensor.shape, tensor.stride())
+
+    return map_tensors(tree, pack)
 
 
 def _unpacked(tree: Any, mesh: Any) -> Any:

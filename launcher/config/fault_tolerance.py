@@ -12,6 +12,10 @@ from pydantic import Field, field_validator
 from launcher.config.section import Section
 from launcher.errors import UsageError
 
+# Across machines: the replica groups' shared secret, set alike on every node (else one is
+# derived from the job's name: docs/fault-tolerance.md).
+FT_SECRET_VARIABLE = "LAUNCHER_FT_SECRET"
+
 _ADDRESS = re.compile(r"^(https?://)?[^\s:/]+:\d{1,5}$")
 
 

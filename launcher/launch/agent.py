@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
 import uuid
@@ -37,7 +38,7 @@ def agent_config(
     nodes = plan.nodes
     folder = plan.node_dir if group is None else RunLayout.replica_group(plan.node_dir, group)
     one_node = group is not None or not nodes.multi
-    listen = plan.group_listen if group is not None else rendezvous.LOOPBACK
+    listen = plan.listen if group is not None else rendezvous.LOOPBACK
     node = rendezvous.NodeConfig(
         nproc=plan.nproc if group is None else plan.group_size,
         spec_digest=hashlib.sha256(spec_to_yaml(plan.spec).encode()).hexdigest()[:12],
@@ -99,14 +100,26 @@ class AgentThread(threading.Thread):
     """The elastic agent, on a thread of its own: the main thread keeps the signals (a first
     Ctrl-C stops the run gracefully, a second at once) and the watchdog."""
 
-    def __init__(self, config: LaunchConfig, argv: list[str], name: str = "elastic-agent") -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        argv: list[str],
+        name: str = "elastic-agent",
+        environment: dict[str, str] | None = None,
+    ) -> None:
+        """`environment`: variables of this agent's workers alone, set before they start (the
+        agents share the launcher's own environment)."""
         super().__init__(name=name, daemon=True)
         self.config, self.argv = config, argv
+        self.entrypoint = sys.executable
+        if environment:  # `env` sets them, then becomes the interpreter (the same process)
+            self.entrypoint = shutil.which("env") or "/usr/bin/env"
+            self.argv = [*(f"{k}={v}" for k, v in environment.items()), sys.executable, *argv]
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            elastic_launch(self.config, sys.executable)(*self.argv)
+            elastic_launch(self.config, self.entrypoint)(*self.argv)
         except BaseException as exc:
             self.error = exc
 

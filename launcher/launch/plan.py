@@ -5,8 +5,9 @@ Nothing here starts a process or writes a file, so every decision can be unit-te
 
 from __future__ import annotations
 
+import hashlib
 import os
-import socket
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,13 @@ from launcher.checkpoint.weights_source import KEY, check_weights
 from launcher.clusters.kubernetes import NPROC_PER_NODE
 from launcher.clusters.nodes import Nodes
 from launcher.clusters.tpu_pod import host_index
-from launcher.config.fault_tolerance import require_torchft
+from launcher.config.fault_tolerance import FT_SECRET_VARIABLE, require_torchft
 from launcher.config.loader import SpecLayers
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
+from launcher.launch.interfaces import address_towards, is_loopback, socket_interface_env
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.rendezvous import LOOPBACK
 from launcher.launch.resume_decision import ResumeDecision, decide_resume
@@ -56,6 +58,13 @@ class LaunchPlan:
     # tells the keys edited since from those that were not (launcher.config.resume).
     config_file: dict[str, Any] | None = None
     run_dir_given: bool = False  # by --run-dir: errors about the folder name the flag
+    # The one address this node's servers listen on (`launcher.launch.interfaces`): loopback
+    # on one machine, the rendezvous network's for replica groups across machines; "": the
+    # libraries' choice (a run of several machines without replica groups).
+    listen: str = LOOPBACK
+    # fault_tolerance: the run's secret, which its replica groups' servers ask of a request
+    # (`ReplicaGroup.token`); every node of a run has the same.
+    replica_token: str = ""
 
     @property
     def folder_label(self) -> str:
@@ -92,18 +101,9 @@ class LaunchPlan:
 
     @property
     def group_host(self) -> str:
-        """The address the other machines' groups reach this machine's groups at (their
-        stores, Managers and state servers): loopback where every node is on this machine."""
-        if not self.nodes.multi or self.nodes.is_local:
-            return LOOPBACK
-        return socket.gethostname()
-
-    @property
-    def group_listen(self) -> str:
-        """Where a replica group's stores listen: loopback, or every interface for the groups
-        of other machines."""
-        host = self.group_host
-        return host if host == LOOPBACK else "0.0.0.0"
+        """The address the other groups reach this machine's groups at (their stores,
+        Managers and state servers), which they listen on alone."""
+        return self.listen
 
     def worker_env(self) -> dict[str, str]:
         """Settings of the libraries in the workers' processes (OpenMP's threads, glibc's
@@ -118,8 +118,17 @@ class LaunchPlan:
             # it is imported, by the tracker's sink or by the recipe.
             **({} if self.debug else {"MLFLOW_LOGGING_LEVEL": "WARNING"}),
         }
+        env |= self._socket_interfaces()
         env = {k: os.environ.get(k, v) for k, v in env.items()}
         return env | self.devices.env  # the device count is the plan's, not a leftover's
+
+    def _socket_interfaces(self) -> dict[str, str]:
+        """gloo and NCCL listen on the host name's interface unless told: on one machine,
+        loopback; across machines, the replica groups' gloo on the rendezvous network. NCCL
+        across machines, and a run's own gloo there, pick as torch does."""
+        if is_loopback(self.listen):
+            return socket_interface_env(self.listen, nccl=True)
+        return socket_interface_env(self.listen, nccl=False) if self.replica_groups else {}
 
     def worker_plan(self, group: ReplicaGroup | None = None) -> WorkerPlan:
         """What this node's workers are told (the only thing they are told); `group`: those of
@@ -234,7 +243,31 @@ def make_plan(
         changes=decision.said,
         config_file=decision.config_file,
         run_dir_given=run_dir is not None,
+        listen=_listen_address(nodes, spec.fault_tolerance.enabled),
+        replica_token=_replica_token(nodes) if spec.fault_tolerance.enabled else "",
     )
+
+
+def _listen_address(nodes: Nodes, replica_groups: bool) -> str:
+    """Loopback for a run of one machine; across machines, the rendezvous network's address
+    for the replica groups' servers, and none for a run without them (torch's rendezvous
+    and process groups pick their own)."""
+    if not nodes.multi or nodes.is_local:
+        return LOOPBACK
+    return address_towards(nodes.host) if replica_groups else ""
+
+
+def _replica_token(nodes: Nodes) -> str:
+    """The run's secret for its replica groups: a new one for a run of one machine. Every
+    node of a run must have the same: LAUNCHER_FT_SECRET where the user sets one on each,
+    else one derived from the job's name and rendezvous (docs/fault-tolerance.md: then the
+    network's fence is what keeps strangers out)."""
+    if not nodes.multi:
+        return secrets.token_hex(16)
+    given = os.environ.get(FT_SECRET_VARIABLE)
+    if given:
+        return given
+    return hashlib.sha256(f"{nodes.job_id}|{nodes.endpoint}".encode()).hexdigest()[:32]
 
 
 def _store_named(spec: RunSpec, run_dir: Path) -> RunSpec:

@@ -45,7 +45,7 @@ class NodeConfig:
     spec_digest: str = ""  # of the resolved spec: every node must train the same run
     node_rank: int | None = None  # group rank to take (a fixed node count), or c10d's order
     loopback: bool = True  # a single node: stores of its own, on `listen` (127.0.0.1) only
-    listen: str = LOOPBACK  # a replica group of a run of several machines: 0.0.0.0
+    listen: str = LOOPBACK  # a replica group of a run of several machines: its network's address
     on_round: Callable[[Round], None] | None = None  # told before the workers start
 
     def rdzv_configs(self) -> dict[str, Any]:
@@ -58,17 +58,18 @@ class NodeConfig:
 
 
 def loopback_store(timeout_s: float = 60, listen: str = LOOPBACK) -> Any:
-    """A TCPStore server that accepts connections from this machine only (`listen`: 0.0.0.0,
-    from anywhere), on a free port."""
+    """A TCPStore server that accepts connections from this machine only (`listen`: another
+    address of this machine, the rendezvous network's, from that network), on a free port."""
     import torch.distributed as dist
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in listen else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((listen, 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
     return dist.TCPStore(
-        LOOPBACK if listen == LOOPBACK else socket.gethostname(),
+        listen,
         port,
         is_master=True,
         multi_tenant=True,

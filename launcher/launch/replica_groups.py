@@ -18,9 +18,11 @@ from rich.console import Console
 from rich.text import Text
 
 from launcher.checkpoint.catalog import latest_complete
+from launcher.config.yaml_file import clip
 from launcher.launch import lighthouse, rendezvous
 from launcher.launch.agent import AgentThread, agent_config
 from launcher.launch.display import RunDisplay
+from launcher.launch.interfaces import is_loopback
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.supervise import AgentWatch, NodeView, Outcome, supervise
@@ -28,6 +30,7 @@ from launcher.launch.watchdog import Stall, Watchdog
 from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import ReplicaGroup
+from launcher.safe_text import clean
 
 
 def supervise_groups(plan: LaunchPlan, console: Console, spare: int) -> Outcome:
@@ -46,7 +49,9 @@ def supervise_groups(plan: LaunchPlan, console: Console, spare: int) -> Outcome:
             highlight=False,
             soft_wrap=True,
         )
-        return supervise(plan, agents, view, console, spare, GroupsWatch(plan, console, ours))
+        return supervise(
+            plan, agents, view, console, spare, GroupsWatch(plan, console, ours, address)
+        )
 
 
 @contextlib.contextmanager
@@ -60,7 +65,7 @@ def _lighthouse(plan: LaunchPlan) -> Iterator[tuple[str, lighthouse.Lighthouse |
         yield given, None
         return
     port = options.lighthouse_port if nodes.multi else 0
-    bind = f"{plan.group_listen}:{port}"
+    bind = f"{plan.listen}:{port}"
     with lighthouse.started(options, bind, plan.layout.logs / "lighthouse.log") as ours:
         yield (given or ours.address), ours
 
@@ -74,20 +79,29 @@ def _group_agent(plan: LaunchPlan, index: int, address: str, view: GroupsView) -
         host=plan.group_host,
         first_device=index * plan.group_size,
         events=str(plan.layout.fault_events.absolute()),
+        listen=plan.listen,
+        token=plan.replica_token,
     )
     folder = RunLayout.replica_group(plan.node_dir, index)
     folder.mkdir(parents=True, exist_ok=True)
     plan.worker_plan(group).write(RunLayout.worker_plan(folder))
     config, argv = agent_config(plan, functools.partial(view.follow_group, index), group=index)
-    return AgentThread(config, argv, name=f"elastic-agent-group-{index}")
+    # For recipes and tools (`/proc/PID/environ` too): torchft's name for the group's index.
+    environment = {"REPLICA_GROUP_ID": str(group.index)}
+    return AgentThread(config, argv, name=f"elastic-agent-group-{index}", environment=environment)
 
 
 class GroupsWatch(AgentWatch):
     def __init__(
-        self, plan: LaunchPlan, console: Console, light: lighthouse.Lighthouse | None
+        self,
+        plan: LaunchPlan,
+        console: Console,
+        light: lighthouse.Lighthouse | None,
+        address: str,
     ) -> None:
-        self.plan, self.console, self.light = plan, console, light
+        self.plan, self.console, self.light, self.lighthouse = plan, console, light, address
         self.agents_ended: list[str] = []
+        self.new_events = fault_events.NewEvents(plan.layout.fault_events)
 
     def ended(self, agent: AgentThread) -> None:
         group = self.plan.first_group + int(agent.name.rsplit("-", 1)[1])
@@ -104,11 +118,23 @@ class GroupsWatch(AgentWatch):
         )
 
     def fault(self) -> str | None:
+        for event in self.new_events():
+            if event.get("event") == "stranger":
+                return self._stranger(str(event.get("replica")))
         if self.light is None or self.light.alive():
             return None
         return (
             f"the fault-tolerance Lighthouse ({self.light.describe_end()}) is gone: no "
             "group can step without it; stopping the run"
+        )
+
+    def _stranger(self, replica: str) -> str:
+        where = "on this machine" if is_loopback(self.plan.listen) else "on its network"
+        return (
+            f"a replica that is not one of this run's groups ({clip(clean(replica), 80)!r}) "
+            f"joined its quorum at the Lighthouse {self.lighthouse}: stopping the run rather "
+            f"than trust it. Something {where} can reach the Lighthouse: see "
+            "docs/fault-tolerance.md, 'What a run exposes'"
         )
 
     def outcome_error(self, agents: list[AgentThread]) -> BaseException | None:

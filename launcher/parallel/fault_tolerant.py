@@ -18,8 +18,9 @@ the same rank in the other groups, rebuilt at every change of the quorum. A step
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ import torch
 from torch import nn
 
 from launcher.config.fault_tolerance import FaultToleranceSection
-from launcher.parallel.base import Strategy, local_shard, map_tensors
+from launcher.errors import RunError
+from launcher.parallel.base import Strategy, local_shard
+from launcher.parallel.peer_state import PeerStateServer, packed, unpacked
 from launcher.parallel.rng import rank_seed
 from launcher.rundir import fault_events
 from launcher.rundir.worker_plan import ReplicaGroup
@@ -39,17 +42,6 @@ STATE_KEY = "launcher"  # the Manager's name for what a healing group receives
 def fault_tolerant(strategy_cls: type[Strategy]) -> type[Strategy]:
     """`strategy_cls`, as one replica group of a fault-tolerant run."""
     return type(f"FaultTolerant{strategy_cls.__name__}", (FaultTolerantMixin, strategy_cls), {})
-
-
-@dataclass
-class _Shard:
-    """A DTensor in transit to a healing group: its local shard, and how to rebuild it there
-    (the mesh is the receiver's own, alike in every group)."""
-
-    local: torch.Tensor
-    placements: tuple[Any, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
 
 
 class FaultTolerantMixin:
@@ -83,25 +75,33 @@ class FaultTolerantMixin:
         timeout = timedelta(seconds=self.ft.timeout_s)
         on_gpu = self.device.type == "cuda"  # type: ignore[attr-defined]
         pg = ProcessGroupNCCL(timeout=timeout) if on_gpu else ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self.ft.min_replicas,
-            # The quorum before the step's forward: a healing group starts the step healed,
-            # on the data of that step, and trains in it.
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=self.rank,  # type: ignore[attr-defined]
-            world_size=self.world_size,  # type: ignore[attr-defined]
-            lighthouse_addr=self.group.lighthouse,
-            replica_id=f"launcher_group_{self.group.index}",  # torchft reads its trailing digits
-            hostname=self.group.host,
-            # The groups build their weights alike from the run's seed: nothing to copy at step 0.
-            init_sync=False,
-        )
+        group = self.group
+        state_server = PeerStateServer(group.listen, group.host, group.token, timeout)
+        with _manager_server_on(group.listen):
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=self.ft.min_replicas,
+                # The quorum before the step's forward: a healing group starts the step
+                # healed, on the data of that step, and trains in it.
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                rank=self.rank,  # type: ignore[attr-defined]
+                world_size=self.world_size,  # type: ignore[attr-defined]
+                lighthouse_addr=group.lighthouse,
+                replica_id=group.member_name(group.index),
+                hostname=group.host,
+                checkpoint_transport=state_server,
+                # The groups build their weights alike from the run's seed: nothing to copy
+                # at step 0.
+                init_sync=False,
+            )
+        # Every quorum is checked before torchft acts on it (reconfigures its collectives
+        # or heals from a member): a stranger in it stops the run instead.
+        self.manager._client = _QuorumCheck(self.manager._client, group)
 
     # -- which process does what ----------------------------------------------------------
 
@@ -145,7 +145,7 @@ class FaultTolerantMixin:
         if not self._joined:  # a checkpoint restored, or step 0: where this group stands
             manager.load_state_dict({"step": step, "batches_committed": 0})
         started = time.perf_counter()
-        manager.start_quorum()
+        self._start_quorum()
         if not self._joined and not self.restarted:
             self._wait_for_every_group()
         moved, self._healed = self._healed, False
@@ -160,6 +160,16 @@ class FaultTolerantMixin:
         self.seed(rank_seed(self.seed_base, self.dp_rank, manager.current_step() + 1))  # type: ignore[attr-defined]
         return moved
 
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except StrangerInQuorum as stranger:
+            self._record("stranger", replica=stranger.replica_id)
+            raise RunError(
+                f"fault_tolerance: a replica that is not one of this run's groups joined its "
+                f"quorum ({stranger.replica_id!r}); the run stops rather than trust it"
+            ) from None
+
     def _wait_for_every_group(self) -> None:
         """The run's first step waits for every group (up to `timeout_s`): the nodes of a run
         start seconds apart, and a group that stepped alone meanwhile would have the others
@@ -167,7 +177,7 @@ class FaultTolerantMixin:
         deadline = time.monotonic() + self.ft.timeout_s
         while self.manager.num_participants() < self.group.count and time.monotonic() < deadline:
             time.sleep(0.2)
-            self.manager.start_quorum()
+            self._start_quorum()
 
     def _note_quorum(self, groups: int) -> None:
         """Counts a step with fewer groups; records each new quorum (a group lost or back,
@@ -262,13 +272,13 @@ class FaultTolerantMixin:
     def _peer_state(self) -> dict[str, Any]:
         assert self._shared is not None
         model, loop, _ = self._shared
-        return {"model": _packed(model.state_dict()), "loop": loop.state_dict()}
+        return {"model": packed(model.state_dict()), "loop": loop.state_dict()}
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         assert self._shared is not None
         model, loop, _ = self._shared
         mesh = _mesh_of(model.model)
-        model.load_state_dict(_unpacked(state["model"], mesh))
+        model.load_state_dict(unpacked(state["model"], mesh))
         loop.load_state_dict(state["loop"], None)
         self._healed = True
 
@@ -285,47 +295,13 @@ def _digest(model: nn.Module) -> str:
 
 def _quiet_torchft() -> None:
     """torchft's own lines (a traceback per failed collective, a warning per quorum on CPU)
-    repeat what the launcher says in one line; its HTTP server logs every request."""
+    repeat what the launcher says in one line."""
     import logging
     import warnings
 
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
     # Received state is read from a bytes buffer: torch warns it is not writable; it is copied.
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    from torchft.checkpointing import http_transport
-
-    http_transport.BaseHTTPRequestHandler.log_message = lambda *args: None  # type: ignore[method-assign]
-
-
-def _packed(tree: Any) -> Any:
-    """`tree` with every DTensor as a `_Shard`: a device mesh does not travel."""
-    from torch.distributed.tensor import DTensor
-
-    def pack(tensor: torch.Tensor) -> Any:
-        if not isinstance(tensor, DTensor):
-            return tensor
-        return _Shard(tensor.to_local(), tuple(tensor.placements), tensor.shape, tensor.stride())
-
-    return map_tensors(tree, pack)
-
-
-def _unpacked(tree: Any, mesh: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, _Shard):
-        return DTensor.from_local(
-            tree.local.to(mesh.device_type),
-            mesh,
-            tree.placements,
-            run_check=False,
-            shape=tree.shape,
-            stride=tree.stride,
-        )
-    if isinstance(tree, dict):
-        return {k: _unpacked(v, mesh) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_unpacked(v, mesh) for v in tree)
-    return tree
 
 
 def _mesh_of(model: nn.Module) -> Any:
@@ -335,3 +311,48 @@ def _mesh_of(model: nn.Module) -> Any:
         if mesh is not None:
             return mesh
     return None
+
+
+class StrangerInQuorum(Exception):
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(replica_id)
+        self.replica_id = replica_id
+
+
+class _QuorumCheck:
+    """torchft's client of the group's Manager, whose quorums are checked as they come: the
+    Lighthouse takes any member that asks (it has no authentication), and torchft would
+    reach a stranger's store and copy a stranger's state."""
+
+    def __init__(self, client: Any, group: ReplicaGroup) -> None:
+        self._client, self._group = client, group
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        stranger = self._group.stranger(list(quorum.replica_ids))
+        if stranger is not None:
+            raise StrangerInQuorum(stranger)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@contextlib.contextmanager
+def _manager_server_on(listen: str) -> Iterator[None]:
+    """torchft's Manager, made meanwhile, serves on `listen` alone: torchft 0.2 binds its
+    server to every interface (`[::]`) and has no setting for it."""
+    import torchft.manager as torchft_manager
+
+    original = torchft_manager.ManagerServer
+
+    def bound(**options: Any) -> Any:
+        port = str(options["bind"]).rsplit(":", 1)[1]
+        host = f"[{listen}]" if ":" in listen else listen
+        return original(**{**options, "bind": f"{host}:{port}"})
+
+    torchft_manager.ManagerServer = bound  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original  # type: ignore[misc]

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Writes `text` to `path`, replacing what was there in one step."""
+def write_atomic(path: Path, text: str, private: bool = False) -> None:
+    """Writes `text` to `path`, replacing what was there in one step; `private`: readable by
+    this user alone (it holds a secret), from the first byte."""
     partial = _partial(path)
     try:
-        partial.write_text(text)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+        with open(fd, "w") as f:
+            f.write(text)
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)

@@ -3,8 +3,10 @@
 
 - the launcher: `lost` (a group's processes failed and its agent restarts them) and `gave_up`
   (a group failed `launch.max_restarts + 1` times: the others go on without it);
-- each group's rank 0: `quorum` (a new quorum: `groups` of `of` train from `step`), and
-  `healed` (the group copied a live group's state: `heal_s` seconds, at `step`).
+- each group's rank 0: `quorum` (a new quorum: `groups` of `of` train from `step`),
+  `healed` (the group copied a live group's state: `heal_s` seconds, at `step`), and
+  `stranger` (a quorum held a `replica` that is not one of the run's groups: the launcher
+  stops the run).
 
 `summarize` turns them into what outcome.json, summary.json and `train runs` show.
 """
@@ -35,13 +37,38 @@ def read(path: Path) -> list[dict[str, Any]]:
         lines = path.read_text().splitlines()
     except OSError:
         return []
+    return _parsed(lines)
+
+
+def _parsed(lines: list[str]) -> list[dict[str, Any]]:
     events = []
     for line in lines:
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
+
+
+class NewEvents:
+    """The events appended since the last call (the launcher follows the file as the groups
+    write it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def __call__(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(whole)
+        return _parsed(whole.decode(errors="replace").splitlines())
 
 
 def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ libraries, not a channel: the worker's own code never reads them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +32,30 @@ class ReplicaGroup:
     lighthouse: str  # torchft's Lighthouse, http://HOST:PORT
     host: str  # the address the other groups reach this group's Manager at
     first_device: int = 0  # this machine's device of the group's local rank 0
-    events: str = ""  # the run's fault-tolerance.jsonl (`launcher.rundir.fault_events`)
+    events: str = ""  # this group's fault-tolerance events (`launcher.rundir.fault_events`)
+    listen: str = "127.0.0.1"  # the one address the group's servers listen on
+    # The run's secret: a state server answers only a request that carries it, and the
+    # groups' names carry a tag derived from it (`member_name`), which tells them from a
+    # stranger's. Never shown: the Lighthouse's status page shows the names.
+    token: str = ""
+
+    def member_name(self, index: int) -> str:
+        """Group `index`'s name in the quorum (torchft's replica id; it reads the group's
+        index from the trailing digits)."""
+        tag = hashlib.sha256(self.token.encode()).hexdigest()[:12]
+        return f"launcher_{tag}_group_{index}"
+
+    def stranger(self, replica_ids: list[str]) -> str | None:
+        """The first member of a quorum that is not one of the run's groups: a name that is
+        not the run's, or a second member under one group's name. None: all are the run's."""
+        names = {self.member_name(i): i for i in range(self.count)}
+        seen: set[str] = set()
+        for replica_id in replica_ids:
+            name = replica_id.split(":", 1)[0]  # torchft appends ":<uuid>" per incarnation
+            if name not in names or name in seen:
+                return replica_id
+            seen.add(name)
+        return None
 
 
 @dataclass(frozen=True)
@@ -69,7 +93,8 @@ class WorkerPlan:
         record["run_dir"] = str(self.run_dir.absolute())
         for key in ("resume_from", "compile_cache"):
             record[key] = _absolute(record[key])
-        write_atomic(path, json.dumps(record, indent=1) + "\n")
+        # Private: a fault-tolerant run's token is in it (`ReplicaGroup.token`).
+        write_atomic(path, json.dumps(record, indent=1) + "\n", private=True)
 
     @classmethod
     def read(cls, path: Path) -> WorkerPlan:

@@ -110,9 +110,8 @@ def _end_children() -> None:
 
 def _join_replica_group(group: ReplicaGroup) -> None:
     """A fault-tolerant run's worker: the group's agent numbers its processes from 0, like
-    any run's; the group id goes in torchft's variable, for recipes and tools to read, and
-    the machine's devices are shared between the groups (LOCAL_RANK: this process's)."""
-    os.environ["REPLICA_GROUP_ID"] = str(group.index)
+    any run's (its REPLICA_GROUP_ID set as it started), and the machine's devices are shared
+    between the groups (LOCAL_RANK: this process's)."""
     # torchft's Rust side logs every quorum and vote at INFO: thousands of lines a minute.
     os.environ.setdefault("RUST_LOG", "warn")
     local = int(os.environ.get("LOCAL_RANK", "0"))

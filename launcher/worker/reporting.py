@@ -72,6 +72,14 @@ class Reporter:
         if text and (every_rank or self.strategy.is_main):
             print(text, flush=True)
 
+    def say_for_run(self, text: str) -> None:
+        """A line of the run's values (reduced over every replica): once per run, by the
+        rank 0 of the group that saves the step's checkpoint, which is every run's rank 0
+        but under replica groups, whose each rank 0 would say the same (the group leading
+        the quorum, another while it is lost)."""
+        if self.strategy.saves_checkpoints:
+            self.say(text)
+
     def log(
         self,
         window: MetricsWindow,
@@ -116,7 +124,7 @@ class Reporter:
         rate *= self.strategy.replicas
         self.telemetry.metrics(step=step, epoch=epoch, **rates, samples_per_s=rate, **mean, **speed)
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
-        self.say(
+        self.say_for_run(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {rates['lr']:.2e} | "
             f"{rate:,.{0 if rate >= 100 else 2}f} samples/s | {1000 * per_step:.1f} ms/step"
             + describe(speed)
@@ -127,7 +135,7 @@ class Reporter:
         self.telemetry.status(step=step, max_steps=self.total_steps, val=self.last_val)
         self.telemetry.metrics(step=step, epoch=epoch, eval_s=round(seconds, 3), **metrics)
         shown = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.say(f"eval at step {step} | {shown} | {seconds:.2f} s")
+        self.say_for_run(f"eval at step {step} | {shown} | {seconds:.2f} s")
 
     def finish(
         self,

@@ -68,9 +68,11 @@ def validate_command(
 
         check_trackers_usable(spec.log.trackers)
         if spec.fault_tolerance.enabled:
-            from launcher.config.fault_tolerance import require_torchft
+            from launcher.config.fault_tolerance import require_torchft, restart_warnings
 
             require_torchft()
+            for warning in restart_warnings(True, spec.launch.max_restarts):
+                typer.echo(f"warning: {warning}", err=True)
         from launcher.launch.reaper import children_reaped
 
         with children_reaped():  # what the recipe starts as it is imported and built

@@ -52,6 +52,7 @@ class FaultToleranceSection(Section):
     heartbeat_timeout_ms: int = Field(
         1000,
         ge=100,
+        le=600_000,  # 10 minutes: a loss unseen for longer stalls every group as long
         description="How long a group may go unheard before the Lighthouse drops it from the "
         "quorum: the survivors' next step comes about this long after a loss.",
     )
@@ -64,6 +65,7 @@ class FaultToleranceSection(Section):
     timeout_s: float = Field(
         60,
         gt=0,
+        le=3600,
         description="How long a collective between groups, or a quorum, may take before it "
         "counts as failed: a group that hangs without dying is dropped after this.",
     )
@@ -82,6 +84,18 @@ class FaultToleranceSection(Section):
             given = self.lighthouse
             return given if given.startswith("http") else f"http://{given}"
         return f"http://{host}:{self.lighthouse_port}" if host else None
+
+
+def restart_warnings(enabled: bool, max_restarts: int) -> list[str]:
+    """What `train validate` and `train` warn of: without restarts, a lost group never comes
+    back, and the run only shrinks."""
+    if not enabled or max_restarts > 0:
+        return []
+    return [
+        "fault_tolerance with launch.max_restarts 0: a lost replica group is never restarted, "
+        "so the run only shrinks; set launch.max_restarts (e.g. 3) for lost groups to come "
+        "back and heal"
+    ]
 
 
 def require_torchft() -> None:

@@ -12,14 +12,20 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from launcher.clusters.nodes import Nodes
 from launcher.config.fault_tolerance import FaultToleranceSection
-from launcher.errors import RunError
+from launcher.errors import RunError, UsageError
+
+PROBE_TIMEOUT_S = 5  # a Lighthouse answers its page at once
 
 
 class Lighthouse:
@@ -36,6 +42,53 @@ class Lighthouse:
         if code is not None and code < 0:
             return f"killed by {signal.Signals(-code).name}"
         return f"exited with code {code}"
+
+
+def check_before_launch(options: FaultToleranceSection, nodes: Nodes, listen: str) -> None:
+    """Before the run folder exists: a given Lighthouse answers as one (each group would
+    otherwise retry it for minutes), and the port of the Lighthouse this node starts is free.
+    UsageError naming the key where not."""
+    given = options.lighthouse_url(nodes.host if nodes.multi else None)
+    if options.lighthouse != "auto":
+        _check_answers(given or "", options.lighthouse)
+    elif nodes.multi and nodes.node_rank == 0:
+        _check_port_free(listen, options.lighthouse_port)
+
+
+def _check_answers(url: str, given: str) -> None:
+    """torchft's Lighthouse serves its dashboard on its gRPC port: a page that names it."""
+    key = f"fault_tolerance.lighthouse {given}"
+    try:
+        with urllib.request.urlopen(f"{url}/", timeout=PROBE_TIMEOUT_S) as page:
+            said = page.read(64 * 1024)
+    except urllib.error.HTTPError as exc:
+        said = f"HTTP {exc.code}".encode()
+    except (OSError, ValueError) as exc:  # refused, unreachable, no such host, a timeout
+        reason = getattr(exc, "reason", exc)
+        raise UsageError(
+            f"{key}: nothing answers there ({reason})",
+            hint="Start the Lighthouse first (torchft_lighthouse), or set "
+            "fault_tolerance.lighthouse: auto for the launcher to start one.",
+        ) from None
+    if b"torchft" not in said:
+        raise UsageError(
+            f"{key}: something answers there, but not a torchft Lighthouse",
+            hint="Give the HOST:PORT that torchft_lighthouse printed as it started.",
+        )
+
+
+def _check_port_free(listen: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in listen else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((listen, port))
+        except OSError as exc:
+            raise UsageError(
+                f"fault_tolerance.lighthouse_port {port}: taken on {listen} "
+                f"({exc.strerror or exc}); node 0 starts the Lighthouse there",
+                hint="Set fault_tolerance.lighthouse_port to a free port, the same on every node.",
+            ) from None
 
 
 @contextlib.contextmanager

@@ -16,11 +16,16 @@ from launcher.checkpoint.weights_source import KEY, check_weights
 from launcher.clusters.kubernetes import NPROC_PER_NODE
 from launcher.clusters.nodes import Nodes
 from launcher.clusters.tpu_pod import host_index
-from launcher.config.fault_tolerance import FT_SECRET_VARIABLE, require_torchft
+from launcher.config.fault_tolerance import (
+    FT_SECRET_VARIABLE,
+    require_torchft,
+    restart_warnings,
+)
 from launcher.config.loader import SpecLayers
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
+from launcher.launch import lighthouse
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.interfaces import address_towards, is_loopback, socket_interface_env
 from launcher.launch.ranks import parse_ranks
@@ -217,9 +222,12 @@ def make_plan(
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
     devices = _checked_devices(spec, accelerator, nodes, sources)
+    listen = _listen_address(nodes, spec.fault_tolerance.enabled)
     if spec.fault_tolerance.enabled:
         _check_replica_groups(spec, devices, nodes)
+        lighthouse.check_before_launch(spec.fault_tolerance, nodes, listen)
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
+    notes += tuple(restart_warnings(spec.fault_tolerance.enabled, spec.launch.max_restarts))
     sources = _with_resolved(sources, spec, resolved)
     spec = resolved
     on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
@@ -243,7 +251,7 @@ def make_plan(
         changes=decision.said,
         config_file=decision.config_file,
         run_dir_given=run_dir is not None,
-        listen=_listen_address(nodes, spec.fault_tolerance.enabled),
+        listen=listen,
         replica_token=_replica_token(nodes) if spec.fault_tolerance.enabled else "",
     )
 
@@ -361,6 +369,13 @@ def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes) -> None
         )
     per_group = devices.processes // groups  # each group lays out its own mesh
     resolve_dims(spec.parallel, spec.launch.strategy, per_group, per_group)
+    all_groups = groups * nodes.max
+    if spec.fault_tolerance.min_replicas > all_groups:
+        raise UsageError(
+            f"fault_tolerance.min_replicas: {spec.fault_tolerance.min_replicas}, but the run "
+            f"has {all_groups} replica groups: no step could ever train",
+            hint=f"Set it to {all_groups} or fewer (1: train on while any group is left).",
+        )
 
 
 def _devices_named(devices: int | str, source: str | None) -> str:

@@ -63,8 +63,6 @@ class FaultTolerantMixin:
         self._groups = group.count  # in the last quorum
         self._quorum: object = None  # the last quorum's id
         self._shared: tuple[Any, Any, Any] | None = None
-        self.fewer_groups_steps = 0  # steps trained while some group was missing
-        self.heals: list[dict[str, float]] = []
 
     def setup(self) -> None:
         super().setup()  # type: ignore[misc]
@@ -151,7 +149,6 @@ class FaultTolerantMixin:
         moved, self._healed = self._healed, False
         if moved:
             healed = {"step": manager.current_step(), "heal_s": time.perf_counter() - started}
-            self.heals.append(healed)
             self._record("healed", **healed)
         elif not self._joined and self.restarted and manager.current_step() == 0:
             moved = self._reload_without_peers()
@@ -180,11 +177,8 @@ class FaultTolerantMixin:
             self._start_quorum()
 
     def _note_quorum(self, groups: int) -> None:
-        """Counts a step with fewer groups; records each new quorum (a group lost or back,
-        also where their count stays: a lost group may be back before the next step), and
-        says each change of their count."""
-        if groups < self.group.count:
-            self.fewer_groups_steps += 1
+        """Records each new quorum (a group lost or back, also where their count stays: a
+        lost group may be back before the next step), and says each change of their count."""
         step, count = self.manager.current_step(), self.group.count
         quorum = getattr(self.manager, "_quorum_id", None)  # torchft's; no public reader
         if quorum != self._quorum:
@@ -242,7 +236,7 @@ class FaultTolerantMixin:
         error = self.manager.errored()
         committed = bool(self.manager.should_commit())
         if not committed:
-            why = str(error.original_exception).splitlines()[0][:160] if error else "a peer's vote"
+            why = _first_words(str(error.original_exception)) if error else "a peer's vote"
             self.say(f"step {self.manager.current_step() + 1} is void ({why}); taking it again")  # type: ignore[attr-defined]
         return committed
 
@@ -259,12 +253,8 @@ class FaultTolerantMixin:
         super().teardown()  # type: ignore[misc]
 
     def summary(self) -> dict[str, Any]:
-        record = {
-            "replica_group": self.group.index,
-            "steps_with_fewer_groups": self.fewer_groups_steps,
-            "heals": self.heals,
-            "losses": fault_events.summarize(fault_events.read(Path(self.group.events))),
-        }
+        events = fault_events.read(Path(self.group.events))
+        record = {"replica_group": self.group.index, **fault_events.summary(events)}
         return {**super().summary(), "fault_tolerance": record}  # type: ignore[misc]
 
     # -- what a healing group receives -----------------------------------------------------
@@ -281,6 +271,14 @@ class FaultTolerantMixin:
         model.load_state_dict(unpacked(state["model"], mesh))
         loop.load_state_dict(state["loop"], None)
         self._healed = True
+
+
+def _first_words(message: str, limit: int = 160) -> str:
+    """A collective's error in one line that reads: its first line, cut at a word."""
+    line = (message.strip().splitlines() or ["no message"])[0]
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 def _digest(model: nn.Module) -> str:

@@ -74,28 +74,52 @@ class NewEvents:
 def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per loss of a group: when it happened, seconds until the survivors' next
     step, until the group took part again and its copy of the state, and the steps trained
-    without it (0 where it was back before the survivors' next step)."""
-    return [_loss(lost, events) for lost in events if lost["event"] == "lost"]
+    without it (0 where it was back before the survivors' next step; None where it never
+    came back)."""
+    losses = [e for e in events if e["event"] == "lost"]
+    return [_loss(lost, events, _next_loss(lost, losses)) for lost in losses]
 
 
-def _loss(lost: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
-    group, at = lost["group"], lost["time"]
-    quorums = [
-        e for e in events if e["event"] == "quorum" and e["time"] >= at and e["group"] != group
+def summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What summary.json says of the run's losses, by the same count as each loss's own:
+    the steps trained with fewer groups are the sum over the losses, and every group's
+    heals."""
+    losses = summarize(events)
+    heals = [
+        {"group": e["group"], "step": e.get("step"), "heal_s": e.get("heal_s")}
+        for e in events
+        if e["event"] == "healed"
     ]
+    fewer = sum(loss["steps_with_fewer_groups"] or 0 for loss in losses)
+    return {"losses": losses, "steps_with_fewer_groups": fewer, "heals": heals}
+
+
+def _next_loss(lost: dict[str, Any], losses: list[dict[str, Any]]) -> float:
+    """When the same group was lost next: what follows belongs to that loss."""
+    later = [e["time"] for e in losses if e["group"] == lost["group"] and e["time"] > lost["time"]]
+    return min(later, default=float("inf"))
+
+
+def _loss(lost: dict[str, Any], events: list[dict[str, Any]], until: float) -> dict[str, Any]:
+    group, at = lost["group"], lost["time"]
+    within = [e for e in events if at <= e["time"] < until]
+    quorums = [e for e in within if e["event"] == "quorum" and e["group"] != group]
     short = next((e for e in quorums if e["groups"] < e["of"]), None)
-    full = next((e for e in quorums if e["groups"] == e["of"]), None)
-    own = [e for e in events if e["time"] >= at and e.get("group") == group]
+    # The group back: the first whole quorum after the survivors stepped without it (a
+    # group lost before the first quorum is back in the first one, never short).
+    after = short["time"] if short is not None else at
+    full = next((e for e in quorums if e["groups"] == e["of"] and e["time"] >= after), None)
+    own = [e for e in within if e.get("group") == group]
     healed = next((e for e in own if e["event"] == "healed"), None)
     gave_up = any(e["event"] == "gave_up" for e in own)
     fewer = None
     if full is not None:
-        fewer = full["step"] - short["step"] if short is not None else 0
+        fewer = max(0, full["step"] - short["step"]) if short is not None else 0
     return {
         "group": group,
         "lost_at": at,
         "next_step_after_s": _since(quorums[0] if quorums else None, at),
-        "back_after_s": None if gave_up else _since(healed, at),
+        "back_after_s": None if gave_up else _since(healed or full, at),
         "heal_s": healed["heal_s"] if healed else None,
         "steps_with_fewer_groups": fewer,
         "gave_up": gave_up,

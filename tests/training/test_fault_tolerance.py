@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -186,6 +188,54 @@ def test_fault_tolerance_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     )
 
 
+def test_settings_that_would_fail_after_minutes_are_refused_before_launch(tmp_path: Path) -> None:
+    """Each used to fail after minutes of retries (2 to 3), or after the run folder existed."""
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    from tests.conftest import free_port
+
+    spec = _spec(tmp_path, "ddp", 2)
+    cases = [
+        (["fault_tolerance.min_replicas=5"], "fault_tolerance.min_replicas: 5, but the run has 2"),
+        (["fault_tolerance.lighthouse=127.0.0.1:1"], "127.0.0.1:1: nothing answers there"),
+        (["fault_tolerance.heartbeat_timeout_ms=100000000000000"], "heartbeat_timeout_ms"),
+    ]
+    for overrides, said in cases:
+        usage_error(run_train(["--config", str(spec), *overrides], tmp_path), said)
+    other = HTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)  # a web server of another kind
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        at = f"fault_tolerance.lighthouse=127.0.0.1:{other.server_address[1]}"
+        usage_error(run_train(["--config", str(spec), at], tmp_path), "not a torchft Lighthouse")
+    finally:
+        other.shutdown()
+    with socket.socket() as taken:  # node 0 starts the Lighthouse on a port someone holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        nodes = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+        result = run_train(
+            [
+                "--config",
+                str(spec),
+                *nodes,
+                "--rdzv-id",
+                "j",
+                f"fault_tolerance.lighthouse_port={port}",
+            ],
+            tmp_path,
+        )
+        usage_error(result, f"fault_tolerance.lighthouse_port {port}: taken on 127.0.0.1")
+    assert not (tmp_path / "runs").exists()
+    no_restarts = run_train(
+        ["validate", "--config", str(spec), "launch.max_restarts=0"],
+        tmp_path,
+        env={"REPLICA_GROUP_ID": "0"},  # the recipe reads it
+    )
+    assert no_restarts.returncode == 0, no_restarts.stdout + no_restarts.stderr
+    assert "warning: fault_tolerance with launch.max_restarts 0" in no_restarts.stderr
+
+
 def test_a_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
@@ -315,3 +365,45 @@ def test_a_loss_is_summed_up_from_its_events(after: list, fewer: int | None) -> 
     assert loss["next_step_after_s"] == (1.0 if after[0][1] == 0 else 2.0)
     assert loss["gave_up"] is (fewer is None)
     assert (loss["back_after_s"] is None) is (fewer is None)
+
+
+def test_a_group_lost_before_the_first_quorum_is_summed_up_apart_from_its_next_loss() -> None:
+    def event(name: str, at: float, group: int, step: int = 0, groups: int = 2) -> dict:
+        return {"event": name, "time": at, "group": group, "step": step, "groups": groups,
+                "of": 2, "heal_s": 0.5}  # fmt: skip
+
+    events = [
+        event("lost", 100.0, 1),  # before any quorum: back in the first one, nothing to copy
+        event("quorum", 101.0, 0, step=0),
+        event("lost", 199.0, 1),
+        event("quorum", 200.0, 0, step=300, groups=1),
+        event("healed", 210.0, 1, step=321),
+        event("quorum", 211.0, 0, step=321),
+    ]
+    first, second = fault_events.summarize(events)
+    assert (first["steps_with_fewer_groups"], first["heal_s"], first["back_after_s"]) == (
+        0,
+        None,
+        1.0,
+    )
+    assert (second["steps_with_fewer_groups"], second["heal_s"], second["back_after_s"]) == (
+        21,
+        0.5,
+        11.0,
+    )
+    summary = fault_events.summary(events)
+    assert summary["steps_with_fewer_groups"] == 21  # the sum of its list's
+    assert summary["heals"] == [{"group": 1, "step": 321, "heal_s": 0.5}]
+
+
+def test_a_void_steps_reason_is_cut_at_a_word() -> None:
+    from launcher.parallel.fault_tolerant import _first_words
+
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+        "[127.0.0.1]:41118: Connection reset by peer while waiting for the other side to finish "
+        "its collective operation\nsecond line"
+    )
+    said = _first_words(gloo)
+    assert said.endswith("to finish ...") and len(said) <= 164
+    assert _first_words("timed out\ndetails") == "timed out"

@@ -21,7 +21,9 @@ from launcher.errors import UsageError
 
 # `scheme://`: what tells a URL from a path (a path may hold a colon, never `://` after a name).
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# Tried only where a run of scheme characters starts: a long text is read once, not once a letter.
+_SCHEME = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://")
+_SPACE = re.compile(r"\s")
 
 # storage_options names that hold a secret, and where each store takes it from instead.
 SECRET_OPTIONS = {
@@ -148,8 +150,11 @@ def names_a_secret(name: object) -> bool:
     """Whether a storage option (or any key) of this name holds a secret: a name of
     SECRET_OPTIONS, or one that holds a part of `_SECRET_PARTS`, or the word `token`."""
     glued = _glued(name)
-    known = glued in {_glued(k) for k in SECRET_OPTIONS}
+    known = glued in _SECRET_NAMES
     return known or any(part in glued for part in _SECRET_PARTS) or bool(_TOKEN.search(glued))
+
+
+_SECRET_NAMES = {re.sub(r"[^a-z0-9]", "", name) for name in SECRET_OPTIONS}
 
 
 def secret_home(name: object) -> str:
@@ -206,13 +211,14 @@ def has_url_credentials(url: str) -> bool:
 
 
 def mask_urls(text: str) -> str:
-    """`text` with the user-info of every URL in it shown as `***` (`s3://***@bucket/x`)."""
+    """`text` with the user-info of every URL in it shown as `***` (`s3://***@bucket/x`).
+    Each URL is read up to a space or the next URL, so a long text costs one pass."""
+    schemes = list(_SCHEME.finditer(text))
     out, done = [], 0
-    for match in _SCHEME.finditer(text):
-        if match.start() < done:
-            continue  # inside the user-info just masked
-        rest = re.match(r"\S*", text[match.end() :]).group(0)  # type: ignore[union-attr]
-        info = _user_info(rest)
+    for i, match in enumerate(schemes):
+        end = schemes[i + 1].start() if i + 1 < len(schemes) else len(text)
+        space = _SPACE.search(text, match.end(), end)
+        info = _user_info(text[match.end() : space.start() if space else end])
         if info is not None:
             out.append(text[done : match.end()] + "***")
             done = match.end() + len(info)
@@ -229,13 +235,15 @@ def mask_override(text: str) -> str:
     path = key.split(".")
     if _STORAGE_OPTIONS[: len(path)] == path[: len(_STORAGE_OPTIONS)]:
         # Keys as YAML writes them in a value (`{secret: x}`, `- token: x`), `s3://` apart.
-        inner = re.findall(r"([A-Za-z_][\w.-]*)[\"']?\s*:(?!//)", value)
+        inner = _YAML_KEY.findall(value)
         if any(names_a_secret(name) for name in [*path[len(_STORAGE_OPTIONS) :], *inner]):
             return f"{_shown_name(key)}{sep}***"
     return mask_urls(text)
 
 
 _STORAGE_OPTIONS = ["checkpoint", "storage_options"]
+# A name followed by `:` (a URL's `s3://` apart), tried only where a name starts.
+_YAML_KEY = re.compile(r"(?<![\w.-])([A-Za-z_][\w.-]*)[\"']?\s*:(?!//)")
 
 
 def _user_info(rest: str) -> str | None:

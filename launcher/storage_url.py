@@ -49,6 +49,7 @@ _SECRET_PARTS = ("secret", "password", "passwd", "passphrase", "credential", "ac
 _SECRET_PARTS += ("privatekey", "apikey", "accountkey", "customerkey", "connectionstring")
 _SECRET_PARTS += ("authorization",)
 _TOKEN = re.compile(r"token(?!s|i[sz])")
+_SECRET_NAMES = {re.sub(r"[^a-z0-9]", "", name) for name in SECRET_OPTIONS}
 _GENERAL_HOME = "the store's own credential variable or credentials file (for S3: AWS_PROFILE)"
 _SSE_C = "use SSE-KMS (ServerSideEncryption: aws:kms) or the bucket's default encryption, not SSE-C"
 
@@ -154,9 +155,6 @@ def names_a_secret(name: object) -> bool:
     return known or any(part in glued for part in _SECRET_PARTS) or bool(_TOKEN.search(glued))
 
 
-_SECRET_NAMES = {re.sub(r"[^a-z0-9]", "", name) for name in SECRET_OPTIONS}
-
-
 def secret_home(name: object) -> str:
     """What to do instead of giving the secret `name` holds in the spec."""
     glued = _glued(name)
@@ -188,7 +186,7 @@ def secrets_in(value: Any, prefix: str) -> list[tuple[str, str]]:
 
 
 _NEVER = "which the spec never holds (the run saves it)"
-_IN_URL = "the environment or a credentials file gives them, and the URL goes without"
+_IN_URL = "give them through the environment or a credentials file, and the URL without them"
 _CREDENTIALS_HINT = (
     "Credentials come from the environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
     "AWS_PROFILE) or the store's credentials file, never from a URL, which every log repeats."
@@ -199,7 +197,9 @@ def url_credentials_problem(url: str) -> str | None:
     """`url`, masked, and what is wrong with it where it carries credentials; else None."""
     if not has_url_credentials(url):
         return None
-    return f"{mask_urls(url)}: credentials in a URL are refused (logs and records repeat it)"
+    return (
+        f"{mask_urls(url)}: credentials in a URL are refused (logs and records would repeat them)"
+    )
 
 
 def has_url_credentials(url: str) -> bool:

@@ -296,6 +296,24 @@ def test_train_refuses_secrets_in_overrides_before_it_starts(
 
 
 @pytest.mark.timeout(120)
+def test_train_validate_refuses_secrets_nested_in_the_yaml(tmp_path: Path) -> None:
+    options = {
+        "client_kwargs": {"region_name": "eu-west-1", "aws_secret_access_key": VALUE},
+        "s3_additional_kwargs": [{"SSECustomerAlgorithm": "AES256", "SSECustomerKey": VALUE}],
+    }
+    spec = write_spec(
+        tmp_path / "run.yaml", checkpoint={"dir": "s3://bucket/{run}", "storage_options": options}
+    )
+    result = train_in_fork(["validate", "--config", str(spec)], cwd=tmp_path)
+    _refused(
+        result,
+        "checkpoint.storage_options.client_kwargs.aws_secret_access_key holds a secret",
+        "set AWS_SECRET_ACCESS_KEY in the environment instead",
+        "(also s3_additional_kwargs[0].SSECustomerKey)",
+    )
+
+
+@pytest.mark.timeout(120)
 def test_credentials_in_a_url_flag_are_refused_without_them(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "run.yaml", train={"max_steps": 2})
     masked = "s3://***@bucket/prefix: credentials in a URL are refused"

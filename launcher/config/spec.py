@@ -205,9 +205,9 @@ class CheckpointSection(Section):
             return None
         if not is_url(value):
             raise ValueError(
-                f"{mask_urls(value)!r} is not a URL: give a store's, e.g. s3://bucket/prefix/{{run}}; "
-                "for a folder of this machine, leave it unset (checkpoints go to the run "
-                "folder, which --run-dir places)"
+                f"{mask_urls(value)!r} is not a URL: give a store's, e.g. "
+                "s3://bucket/prefix/{run}; for a folder of this machine, leave it unset "
+                "(checkpoints go to the run folder, which --run-dir places)"
             )
         if problem := url_credentials_problem(value):
             raise ValueError(f"{problem}; set them in the environment ({_S3_VARIABLES})")

@@ -8,11 +8,13 @@ from typing import Any
 
 from launcher.errors import UsageError
 from launcher.safe_text import clean
+from launcher.storage_url import mask_urls
 
 
 def unusable(root: Any, exc: BaseException, what: str = "checkpoint.dir") -> UsageError:
+    # Masked: a client library's own text may quote a URL whole, user-info and all.
     reason, hint = _diagnosis(exc)
-    return UsageError(f"{what} {root}: {reason}", hint=hint)
+    return UsageError(mask_urls(f"{what} {root}: {reason}"), hint=hint)
 
 
 def _diagnosis(exc: BaseException) -> tuple[str, str]:

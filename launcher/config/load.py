@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from launcher.config.section import Section
+from launcher.storage_url import url_credentials_problem
 
 
 class LoadSection(Section):
@@ -16,7 +17,8 @@ class LoadSection(Section):
         "export`'s `.safetensors` or `.pt` file, or a Hugging Face folder of `model.safetensors` "
         "(one file, or shards with `model.safetensors.index.json`). Also `--load-weights PATH`. "
         "A path in a YAML file is relative to that file; one given on the command line, to the "
-        "working directory. Not with `--resume`: a resumed run continues from its own "
+        "working directory. A URL with credentials in it (`s3://KEY:SECRET@...`) is refused: they "
+        "come from the environment. Not with `--resume`: a resumed run continues from its own "
         "checkpoint and never loads these again. `null`: the recipe's own initialisation.",
     )
     strict: bool = Field(
@@ -26,3 +28,10 @@ class LoadSection(Section):
         "`false`: what matches is loaded, what does not is listed, and the rest keeps the "
         "recipe's initialisation (a new head, say).",
     )
+
+    @field_validator("weights")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and (problem := url_credentials_problem(value)):
+            raise ValueError(f"{problem}; the store's own variables or credentials file give them")
+        return value

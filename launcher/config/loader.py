@@ -20,7 +20,7 @@ from launcher.config.optim import TORCH_FREE
 from launcher.config.spec import RunSpec
 from launcher.config.yaml_file import clip, echo, parse_yaml_value, read_yaml_file
 from launcher.errors import UsageError
-from launcher.storage_url import is_url
+from launcher.storage_url import is_url, mask_override
 
 # Room for a message's own words around what it quotes.
 _MESSAGE_CHARS = 240
@@ -96,7 +96,10 @@ def read_layers(
     if path is not None:
         _require_mapping(raw, source=str(path))  # before overrides are set into it
         _absolutize_paths(raw, path.parent)
-    given = [(*parse_override(text), f"override {clip(text)}") for text in overrides or []]
+    # An override's label (errors, spec.yaml's comments) never repeats a secret it holds.
+    given = [
+        (*parse_override(text), f"override {clip(mask_override(text))}") for text in overrides or []
+    ]
     given += [(key, value, flag) for key, (flag, value) in (flags or {}).items()]
     given = [(key, _absolute_path(key, value, Path.cwd()), origin) for key, value, origin in given]
     return SpecLayers(path, raw, where, tuple(given))
@@ -162,9 +165,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", key):
         raise UsageError(
-            f"{echo(text)} is not an override: write section.key=value, e.g. optim.lr=3e-4"
+            f"{echo(mask_override(text))} is not an override: write section.key=value, e.g. "
+            "optim.lr=3e-4"
         )
-    return key, parse_yaml_value(value, origin=f"override {echo(text)}")
+    return key, parse_yaml_value(value, origin=f"override {echo(mask_override(text))}")
 
 
 def spec_to_yaml(spec: RunSpec) -> str:

@@ -22,7 +22,13 @@ from launcher.config.optim import OptimSection
 from launcher.config.parallel import ParallelSection
 from launcher.config.section import PositiveInt, Section
 from launcher.config.training import EMASection, Precision, ProfileSection, TrainSection
-from launcher.storage_url import is_url, secret_options
+from launcher.storage_url import (
+    is_url,
+    mask_urls,
+    secrets_in,
+    unkept_store_problem,
+    url_credentials_problem,
+)
 
 Accelerator = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyName = Literal["ddp", "fsdp", "xla", "xla_spmd", "xla_fsdp"]
@@ -170,15 +176,20 @@ class CheckpointSection(Section):
         description="Where checkpoints go: an fsspec URL (`s3://bucket/prefix/{run}`; `gs://`, "
         "`az://`, `file://` with their packages installed), `{run}` standing for the run "
         "folder's name. `null`: the run folder's `checkpoints/`. Every rank writes its own "
-        "files there, so nodes with separate run folders share it; credentials come from the "
-        "environment (`AWS_ACCESS_KEY_ID`, ...), never from the spec. See "
-        "docs/evaluation-and-checkpoints.md.",
+        "files there, so nodes with separate run folders share it. Refused before the run "
+        "starts: credentials in the URL (`s3://KEY:SECRET@bucket`: they come from the "
+        "environment, `AWS_ACCESS_KEY_ID`, ..., or a credentials file), and a store that keeps "
+        "nothing: `memory://` (each process's own memory) or a read-only one (`https://`, "
+        "`zip://`, `github://`, ...). See docs/checkpoint-stores.md.",
     )
     storage_options: dict[str, Any] = Field(
         {},
         description="fsspec's options for `dir`'s file system, e.g. `{endpoint_url: "
-        "http://127.0.0.1:9000}`. A secret (`key`, `secret`, `token`, ...) is refused: set its "
-        "environment variable.",
+        "http://127.0.0.1:9000}`. A secret at any depth is refused, named by its dotted key "
+        "and never by its value: a key whose name holds `secret`, `token`, `password`, "
+        "`credential` or `access_key`, an S3 SSE-C key (`SSECustomerKey`), `key`, "
+        "`account_key` or `connection_string`. Set its environment variable (the error names "
+        "it) or use the store's credentials file instead.",
     )
 
     def store_url(self, run_name: str) -> str | None:
@@ -194,9 +205,16 @@ class CheckpointSection(Section):
             return None
         if not is_url(value):
             raise ValueError(
-                f"{value!r} is not a URL: give a store's, e.g. s3://bucket/prefix/{{run}}; for "
-                "a folder of this machine, leave it unset (checkpoints go to the run folder, "
-                "which --run-dir places)"
+                f"{mask_urls(value)!r} is not a URL: give a store's, e.g. "
+                "s3://bucket/prefix/{run}; for a folder of this machine, leave it unset "
+                "(checkpoints go to the run folder, which --run-dir places)"
+            )
+        if problem := url_credentials_problem(value):
+            raise ValueError(f"{problem}; set them in the environment ({_S3_VARIABLES})")
+        if problem := unkept_store_problem(value):
+            raise ValueError(
+                f"{problem}; use a lasting store every node writes (s3://bucket/prefix/{{run}}, "
+                "file:///shared/{run}), or leave it unset (the run folder)"
             )
         fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
         if fields - {"run"}:
@@ -206,13 +224,18 @@ class CheckpointSection(Section):
     @field_validator("storage_options")
     @classmethod
     def _no_secret(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if secrets := secret_options(value):
-            key, variable = next(iter(secrets.items()))
-            raise ValueError(
-                f"{key!r} holds a secret, which the spec never does (it is saved with the run): "
-                f"set {variable} in the environment instead"
-            )
+        # Named by its whole dotted key, never by its value: the first with its fix, the
+        # others by their keys inside storage_options, within one line.
+        prefix = "checkpoint.storage_options"
+        if secrets := secrets_in(value, prefix):
+            (key, problem), others = secrets[0], [k for k, _ in secrets[1:]]
+            also = ", ".join(k.removeprefix(prefix + ".") for k in others)
+            raise ValueError(f"{key} {problem}" + (f" (also {also})" if others else ""))
         return value
+
+
+# What an error tells a user who put S3's credentials in the spec to set instead.
+_S3_VARIABLES = "for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
 
 
 class EvalSection(Section):

@@ -209,25 +209,14 @@ def make_plan(
     )
     spec, sources, resume_from = decision.spec, decision.sources, decision.checkpoint
     spec = _store_named(spec, decision.run_dir)
-    # Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
-    # exactly for the strategies that run on nothing else.
-    tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
-    if nodes.multi and (spec.launch.accelerator == "tpu" or tpu_only):
-        raise UsageError(
-            f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
-            "same train command, without --nnodes, on every host of the pod",
-            hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
-            "(docs/tpus.md, 'Multi-host TPU pods').",
-        )
+    _check_no_tpu_nodes(spec, nodes)
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
     devices = _checked_devices(spec, accelerator, nodes, sources)
     listen = _listen_address(nodes, spec.fault_tolerance.enabled)
     if spec.fault_tolerance.enabled:
-        _check_replica_groups(spec, devices, nodes)
-        lighthouse.check_before_launch(spec.fault_tolerance, nodes, listen)
+        _check_replica_groups(spec, devices, nodes, listen)
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
-    notes += tuple(restart_warnings(spec.fault_tolerance.enabled, spec.launch.max_restarts))
     sources = _with_resolved(sources, spec, resolved)
     spec = resolved
     on_tpu = accelerator == "tpu" and xla_device_type() == "TPU"
@@ -254,6 +243,19 @@ def make_plan(
         listen=listen,
         replica_token=_replica_token(nodes) if spec.fault_tolerance.enabled else "",
     )
+
+
+def _check_no_tpu_nodes(spec: RunSpec, nodes: Nodes) -> None:
+    """Before the accelerator is resolved (which fails without torch_xla): `auto` means a TPU
+    exactly for the strategies that run on nothing else."""
+    tpu_only = strategy_info(spec.launch.strategy).accelerators == ("tpu",)
+    if nodes.multi and (spec.launch.accelerator == "tpu" or tpu_only):
+        raise UsageError(
+            f"--nnodes {nodes.max}: TPU hosts do not rendezvous through the launcher; run the "
+            "same train command, without --nnodes, on every host of the pod",
+            hint="gcloud compute tpus tpu-vm ssh NAME --worker=all --command='train ...' "
+            "(docs/tpus.md, 'Multi-host TPU pods').",
+        )
 
 
 def _listen_address(nodes: Nodes, replica_groups: bool) -> str:
@@ -346,8 +348,9 @@ def _checked_devices(
     return devices
 
 
-def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes) -> None:
-    """`fault_tolerance`: torchft there, and the devices split evenly between the groups."""
+def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes, listen: str) -> None:
+    """`fault_tolerance`: torchft there, the devices split evenly between the groups, enough
+    groups for `min_replicas`, and the Lighthouse (`lighthouse.check_before_launch`)."""
     require_torchft()
     groups = spec.fault_tolerance.replica_groups
     if nodes.multi and (nodes.elastic or nodes.node_rank is None):
@@ -376,6 +379,7 @@ def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes) -> None
             f"has {all_groups} replica groups: no step could ever train",
             hint=f"Set it to {all_groups} or fewer (1: train on while any group is left).",
         )
+    lighthouse.check_before_launch(spec.fault_tolerance, nodes, listen)
 
 
 def _devices_named(devices: int | str, source: str | None) -> str:
@@ -394,7 +398,7 @@ def _resolved(spec: RunSpec, accelerator: str, devices: Devices) -> tuple[RunSpe
     left, and what the accelerator forces; with a warning for each forced value."""
     launch = {"accelerator": accelerator, "devices": devices.count}
     update: dict[str, object] = {"launch": spec.launch.model_copy(update=launch)}
-    notes: list[str] = []
+    notes = restart_warnings(spec.fault_tolerance.enabled, spec.launch.max_restarts)
     if accelerator == "tpu" and not spec.data.drop_last:
         # A short last batch is a new input shape, and every new shape is a new XLA compile.
         update["data"] = spec.data.model_copy(update={"drop_last": True})

@@ -62,3 +62,8 @@ def socket_interface_env(address: str, nccl: bool) -> dict[str, str]:
     if name is None:
         return {}
     return {"GLOO_SOCKET_IFNAME": name, **({"NCCL_SOCKET_IFNAME": name} if nccl else {})}
+
+
+def host_port(address: str, port: int) -> str:
+    """`address:port`, an IPv6 address in brackets."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

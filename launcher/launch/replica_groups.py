@@ -22,7 +22,7 @@ from launcher.config.yaml_file import clip
 from launcher.launch import lighthouse, rendezvous
 from launcher.launch.agent import AgentThread, agent_config
 from launcher.launch.display import RunDisplay
-from launcher.launch.interfaces import is_loopback
+from launcher.launch.interfaces import host_port, is_loopback
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.ranks import format_ranks
 from launcher.launch.supervise import AgentWatch, NodeView, Outcome, supervise
@@ -65,7 +65,7 @@ def _lighthouse(plan: LaunchPlan) -> Iterator[tuple[str, lighthouse.Lighthouse |
         yield given, None
         return
     port = options.lighthouse_port if nodes.multi else 0
-    bind = f"{plan.listen}:{port}"
+    bind = host_port(plan.listen, port)
     with lighthouse.started(options, bind, plan.layout.logs / "lighthouse.log") as ours:
         yield (given or ours.address), ours
 

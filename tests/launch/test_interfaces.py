@@ -110,3 +110,43 @@ def test_the_groups_tell_their_own_members_from_a_stranger() -> None:
     )
     assert group.stranger([ours[0], f"{group.member_name(2)}:x"]) == f"{group.member_name(2)}:x"
     assert group.stranger(["launcher_group_7:evil"]) == "launcher_group_7:evil"
+
+
+def _an_address_of_this_machine_not_loopback() -> str | None:
+    import ipaddress
+
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for entry in addresses:
+            try:
+                address = ipaddress.ip_address(entry.address.split("%")[0])
+            except ValueError:
+                continue
+            if address.version == 4 and not address.is_loopback:
+                return str(address)
+    return None
+
+
+def test_across_machines_the_groups_listen_on_the_rendezvous_networks_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 0 of a run whose rendezvous host is this machine's other address: the groups'
+    servers, the Lighthouse's port check and gloo take that address, never every interface."""
+    address = _an_address_of_this_machine_not_loopback()
+    if address is None:
+        pytest.skip("this machine has no address but loopback")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    nodes = Nodes(min=2, max=2, node_rank=0, endpoint=f"{address}:29500", job_id="job7")
+    plan = make_plan(_spec(tmp_path, lighthouse_port=free_port()), nodes=nodes)
+    assert plan.listen == plan.group_host == address
+    env = plan.worker_env()
+    assert env["GLOO_SOCKET_IFNAME"] == interface_of(address)
+    assert "NCCL_SOCKET_IFNAME" not in env  # across machines NCCL picks its own network
+    no_groups = _spec(tmp_path).model_copy(
+        update={
+            "fault_tolerance": _spec(tmp_path).fault_tolerance.model_copy(update={"enabled": False})
+        }
+    )
+    assert make_plan(no_groups, nodes=nodes).listen == ""  # torch's own choices, as before

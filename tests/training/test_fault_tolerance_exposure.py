@@ -66,6 +66,10 @@ def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alon
         # and gloo: none of them on another interface (0.0.0.0, [::], the machine's address).
         assert len(listening) >= 8, listening
         assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in listening), listening
+        # Tools read a worker's group where they read its environment: from its start.
+        workers = [p for p in _run_tree(proc.pid) if "launcher.worker.main" in p.cmdline()]
+        groups = sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
+        assert groups == ["0", "1"], groups
         managers = _managers(_lighthouse(proc.pid))
         assert len(managers) == 2, managers
         for manager in managers:

@@ -33,6 +33,7 @@ _QUICK_LISTING = {
         "config_kwargs": {"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}}
     }
 }
+_QUICK_LISTING["s3a"] = _QUICK_LISTING["s3"]  # s3fs too
 # A request's query string in a client's message (the prefix listed, the encoding): noise,
 # and different for every run of one store, whose lines `train runs` gathers by reason.
 _QUERY = re.compile(r"\?[^\s\"')]*")

@@ -6,7 +6,8 @@ folder itself (`save_pretrained`, given the checkpoint's tensors as its state di
 `config.json` and `generation_config.json`, safetensors files split above `--max-shard-size`
 with their index, and each tied weight once, under the name `from_pretrained` ties the others
 to. The folder is written beside DIR under a hidden name, then renamed: DIR appears whole or
-not at all, and a folder that holds anything is never written into.
+not at all, and a folder that holds anything is never written into. DIR's missing parent
+folders are created, as `save_pretrained` creates them.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def export_hf(
         for file in folder.iterdir():
             readable_like_any_file(file)
 
+    _make_parents(out)
     if not write_new_folder(out, save):
         raise UsageError(
             f"--hf {out}: written to meanwhile; it is never overwritten", hint=_NEVER_OVERWRITTEN
@@ -69,7 +71,7 @@ def export_hf(
 
 def check_hf_out(out: Path) -> None:
     """Refuses an `--hf` folder that holds anything (it is never written into), a file, or
-    one whose parent folder does not exist."""
+    one whose missing parents cannot be created because a file stands in their place."""
     if out.is_dir() and any(out.iterdir()):
         raise UsageError(
             f"--hf {out}: this folder is not empty; it is never overwritten",
@@ -77,8 +79,18 @@ def check_hf_out(out: Path) -> None:
         )
     if out.exists() and not out.is_dir():
         raise UsageError(f"--hf {out}: a file is there; --hf names a folder to create")
-    if not out.parent.is_dir():
-        raise UsageError(f"--hf {out}: no folder {out.parent}")
+    existing = next(folder for folder in out.absolute().parents if folder.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--hf {out}: {existing} is a file, where a folder would be created")
+
+
+def _make_parents(out: Path) -> None:
+    """Creates `out`'s missing parents, once the export is known to be writable: a refused
+    export leaves no empty folders behind."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--hf {out}: cannot create {out.parent}: {exc.strerror}") from None
 
 
 def _shard_bytes(max_shard_size: str) -> int:

@@ -27,7 +27,7 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 def load_checked(spec: RunSpec, origin: str = "") -> Recipe:
     """The recipe, imported as the workers will, with its arguments checked (nothing built).
     `origin`: where recipe.source came from (`launcher.config.sources`), for its errors."""
-    recipe = load_recipe(spec.recipe.source, origin)
+    recipe = load_recipe(spec.recipe.source, origin, float8=spec.train.float8)
     check_arguments(recipe, spec.recipe)
     recipe.collate_hook()  # the hooks' signatures, refused as the workers would refuse them
     if recipe.param_groups_hook() is not None and spec.optim.groups:

@@ -148,13 +148,15 @@ def run_command(
 
 
 def with_operator_devices(layers: SpecLayers, nodes: Nodes) -> SpecLayers:
-    """The processes per node a Kubeflow job asks for (PET_NPROC_PER_NODE), as a layer over
-    the YAML file: `launch.devices=` overrides and `--devices`, which come after it, win."""
+    """The processes per node torchrun's PET_NPROC_PER_NODE asks for (a Kubeflow job sets
+    it; so may a user used to torchrun), as a layer over the YAML file: `launch.devices=`
+    overrides and `--devices`, which come after it, win."""
     from launcher.clusters.kubernetes import NPROC_PER_NODE
 
     if nodes.devices is None:
         return layers
-    given = ("launch.devices", nodes.devices, f"{NPROC_PER_NODE} ({nodes.source})")
+    origin = f"{NPROC_PER_NODE} ({nodes.source})" if nodes.source else NPROC_PER_NODE
+    given = ("launch.devices", nodes.devices, origin)
     return dataclasses.replace(layers, given=(given, *layers.given))
 
 

@@ -56,25 +56,28 @@ def runs_command(
     or rdzv-id>/, or where --run-dir put them."""
 
     def list_runs() -> int:
-        from launcher.runs.catalog import describe_run, find_runs, find_runs_in
-        from launcher.runs.run_table import runs_json, runs_table
+        from launcher.runs.catalog import describe_runs, find_runs, find_runs_in
+        from launcher.runs.run_table import runs_json, runs_table, unlisted_stores
 
         paths, names = _paths_and_names(targets or [])
         if paths and output_dir is not None:
             raise UsageError("--output-dir and a PATH: give the folders to list one way")
         folder, names = _where(names, config, output_dir, listed=not paths)
         if paths:
-            rows = [describe_run(run) for run in find_runs_in(paths)]
+            rows = describe_runs(find_runs_in(paths))
             rows = [row for row in rows if not names or row.name in names]
         else:
-            rows = [describe_run(run) for run in find_runs(folder, names)]
+            rows = describe_runs(find_runs(folder, names))
         if as_json:
             typer.echo(runs_json(rows))
         elif rows:
             # Piped or redirected: as wide as the table needs (not 80 columns), unless COLUMNS
             # says otherwise.
             wide = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 1000
-            LauncherConsole(highlight=False, width=wide).print(runs_table(rows))
+            console = LauncherConsole(highlight=False, width=wide)
+            console.print(runs_table(rows))
+            for line in unlisted_stores(rows):  # what a `?` checkpoint stands for
+                console.print(line)
         else:
             of = f" of {', '.join(map(repr, names))}" if names else ""
             under = ", ".join(map(str, paths or [folder]))

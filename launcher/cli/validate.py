@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -46,19 +47,19 @@ def validate_command(
     device), run the loss on them, and report their sizes. Starts no processes."""
 
     def check() -> int:
-        from launcher.config.loader import load_cli_spec_and_sources
+        from launcher.cli.run import with_operator_devices
+        from launcher.clusters.kubernetes import processes_per_node
+        from launcher.clusters.nodes import Nodes
+        from launcher.config.loader import cli_layers, spec_from_layers
 
         # Its own mistakes are reported before torch is imported (seconds): spec_loader.
-        spec, sources = load_cli_spec_and_sources(
-            config,
-            overrides,
-            strict_compile,
-            accelerator=accelerator,
-            devices=devices,
-            strategy=strategy,
-            max_restarts=max_restarts,
-            stall_timeout=stall_timeout,
-        )
+        flags = {"accelerator": accelerator, "devices": devices, "strategy": strategy}
+        flags |= {"max_restarts": max_restarts, "stall_timeout": stall_timeout}
+        layers = cli_layers(config, overrides, strict_compile, **flags)
+        # The devices a run here would start (torchrun's PET_NPROC_PER_NODE, where set); the
+        # nodes are not validate's to check.
+        pod = Nodes(devices=processes_per_node(os.environ))
+        spec, sources = spec_from_layers(with_operator_devices(layers, pod))
         if explain:
             from launcher.config.sources import explain_text
 

@@ -5,14 +5,18 @@ rank, the rendezvous host and the job's name come from what the operator put int
 environment, as SLURM's come from srun's (`slurm.py`):
 
 - Kubeflow PyTorchJob and TrainJob: torchrun's `PET_NNODES`, `PET_NODE_RANK`,
-  `PET_MASTER_ADDR`, `PET_MASTER_PORT` (and `PET_NPROC_PER_NODE`), else PyTorchJob v1's
-  `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE` and `RANK`, which count nodes, not processes.
+  `PET_MASTER_ADDR`, `PET_MASTER_PORT`, else PyTorchJob v1's `MASTER_ADDR`, `MASTER_PORT`,
+  `WORLD_SIZE` and `RANK`, which count nodes, not processes.
 - A JobSet or an Indexed Job: `JOB_COMPLETION_INDEX`, and pod 0's stable name under the
   headless service.
 - SkyPilot: `SKYPILOT_NODE_RANK`, `SKYPILOT_NUM_NODES`, `SKYPILOT_NODE_IPS`.
 
 The job's name names the run folder, so a pod started again (same name, same variables) finds
 its run and `--resume latest` continues it.
+
+torchrun's `PET_NPROC_PER_NODE` (the processes per node) is read on its own, job or no job
+(`processes_per_node`), as torchrun reads it: a PyTorchJob sets it without the other
+variables on a single pod, and a user coming from torchrun sets it alone.
 """
 
 from __future__ import annotations
@@ -53,7 +57,6 @@ class JobNodes:
     endpoint: str | None  # HOST:PORT of the rendezvous, on node 0
     job_id: str | None  # names the run folder; None: no name found (--rdzv-id must give one)
     source: str  # "Kubeflow PyTorchJob my-job": where the values came from
-    devices: int | None = None  # PET_NPROC_PER_NODE: processes per node, where it is a number
     # Kubernetes restarts a pod whose process failed and takes one that exits 0 for done (an
     # Indexed Job never runs that index again): a node that another node's SIGTERM stopped
     # must not exit 0. SLURM's batch script requeues the whole job itself.
@@ -89,7 +92,6 @@ def _kubeflow(env: Mapping[str, str]) -> JobNodes | None:
                 endpoint=f"{_host(master, env[master])}:{_port(env, port)}",
                 job_id=job,
                 source=f"Kubeflow {kind} {job}" if job else f"{master}, {nnodes} and {rank}",
-                devices=_devices(env),
             )
     return None
 
@@ -186,8 +188,10 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-def _devices(env: Mapping[str, str]) -> int | None:
-    """PET_NPROC_PER_NODE as a count: `auto`, `gpu` and `cpu` leave it to `--devices`."""
+def processes_per_node(env: Mapping[str, str]) -> int | None:
+    """PET_NPROC_PER_NODE as a count, with or without a job's other variables, as torchrun
+    reads it; None where it is not set, or is one of torchrun's words (`auto`, `gpu`, `cpu`,
+    `xpu`), which leave the count to `--devices` and `launch.devices`."""
     text = env.get(NPROC_PER_NODE, "")
     if not text or text in _NPROC_WORDS:
         return None

@@ -25,7 +25,7 @@ class Nodes:
     endpoint: str | None = None  # HOST:PORT of the rendezvous, on node 0
     job_id: str | None = None  # the rendezvous id; it also names the run folder
     source: str = ""  # "SLURM job 123", "Kubeflow PyTorchJob x": where the values came from
-    devices: int | None = None  # processes per node the job's operator asks for (Kubeflow)
+    devices: int | None = None  # processes per node PET_NPROC_PER_NODE asks for (torchrun's)
     restarted_by_exit_code: bool = False  # see JobNodes: a stop request then exits 143
 
     @property
@@ -79,11 +79,12 @@ def resolve_nodes(
         endpoint = endpoint or found.endpoint
         job_id = job_id or found.job_id
     _check_job_id(job_id)
+    devices = kubernetes.processes_per_node(env or {})
     if high == 1:
         if not found and endpoint:
             raise UsageError("--rdzv-endpoint: only used with --nnodes above 1")
         # One node keeps its rendezvous on loopback; a job id still names its run folder.
-        return _with_job(Nodes(job_id=job_id), found)
+        return _with_job(Nodes(job_id=job_id, devices=devices), found)
     if not endpoint:
         raise UsageError(
             f"--rdzv-endpoint: needed with --nnodes {nnodes}: HOST:PORT of node 0, the same "
@@ -99,7 +100,8 @@ def resolve_nodes(
             "on every node (a job id, say); the run folder is named after it",
             hint="e.g. --rdzv-id exp42",
         )
-    return _with_job(Nodes(low, high, None if low != high else rank, endpoint, job_id), found)
+    known_rank = None if low != high else rank
+    return _with_job(Nodes(low, high, known_rank, endpoint, job_id, devices=devices), found)
 
 
 def _node_rank(flag: str | None, found: JobNodes | None, nnodes: int, count: str) -> int | None:
@@ -125,12 +127,7 @@ def _check_job_id(job_id: str | None) -> None:
 def _with_job(nodes: Nodes, found: JobNodes | None) -> Nodes:
     if found is None:
         return nodes
-    return replace(
-        nodes,
-        source=found.source,
-        devices=found.devices,
-        restarted_by_exit_code=found.restarted_by_exit_code,
-    )
+    return replace(nodes, source=found.source, restarted_by_exit_code=found.restarted_by_exit_code)
 
 
 def _node_count(found: JobNodes) -> str:

@@ -16,6 +16,7 @@ Blackwell); the launch refuses it elsewhere in one line (`refusal`), before anyt
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import TYPE_CHECKING
 
 from launcher.errors import UsageError
@@ -82,3 +83,42 @@ def convert(model: nn.Module) -> str:
         f"{KEY}: {swapped} of {len(linears)} linear layers in float8 (torchao, tensorwise "
         f"scaling); kept in the run's precision: {kept}"
     )
+
+
+# transformers imports torchao wherever it is installed (`transformers.modeling_utils`, through
+# its quantizers), so every process that imports a Hugging Face model imports torchao, float8
+# or not; the launcher cannot stop that without hiding torchao from the recipe as well. On
+# import, torchao logs each optional kernel library it cannot load here (`_C_mxfp8`,
+# `_C_cutlass_90a`: built for other GPUs or another Python), and registers two of its enums
+# through a pytree API that torch now deprecates: four lines in every process, none of which
+# a run can act on. These filters drop exactly those records, and nothing else those loggers
+# say.
+_TORCHAO_LOGGER = "torchao"
+_PYTREE_LOGGER = "torch.utils._pytree"
+_DEPRECATED_ENUM_REGISTRATION = "register_constant() on Enum subclasses is deprecated"
+
+
+class _TorchaoImportNoise(logging.Filter):
+    def __init__(self, keep_kernel_failures: bool) -> None:
+        super().__init__()
+        self.keep_kernel_failures = keep_kernel_failures
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == _TORCHAO_LOGGER:
+            message = record.getMessage()
+            unloaded = message.startswith("Failed to load ") and ".so: " in message
+            return self.keep_kernel_failures or not unloaded
+        registered = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        torchaos = getattr(registered, "__module__", "").startswith("torchao.")
+        return not (torchaos and _DEPRECATED_ENUM_REGISTRATION in str(record.msg))
+
+
+def quiet_torchao_import(float8: bool) -> None:
+    """Drops what torchao logs as it is imported (see above), in this process. Where the run
+    trains in float8 (`float8`), a kernel library torchao cannot load is still said: float8
+    runs on torchao, where it may matter."""
+    for name in (_TORCHAO_LOGGER, _PYTREE_LOGGER):
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _TorchaoImportNoise)]:
+            logger.removeFilter(old)  # called again: the newest word on float8 holds
+        logger.addFilter(_TorchaoImportNoise(keep_kernel_failures=float8))

@@ -30,7 +30,7 @@ from launcher.rundir.lock import is_held
 from launcher.rundir.outcome import RunOutcome, read_outcome
 from launcher.rundir.reading import parse_json_or_none, read_tail
 from launcher.runs.metrics_file import value
-from launcher.storage_url import is_remote
+from launcher.runs.store_listing import StoreAnswer, ask_stores
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -60,6 +60,8 @@ class RunRow:
     checkpoint: str | None  # the newest complete checkpoint
     checkpoint_step: int | None
     checkpoint_store: str | None  # where the checkpoints are, when not in the run folder
+    # why that store could not be listed (the newest checkpoint is then unknown); None: it was
+    checkpoint_store_error: str | None
     started: float | None  # when the run first started (resumes continue it)
     ended: float | None  # None while it runs
     duration_s: float | None
@@ -112,18 +114,27 @@ def _folders(path: Path) -> list[Path]:
         return []
 
 
-def describe_run(run_dir: Path, now: float | None = None) -> RunRow:
+def describe_runs(run_dirs: Sequence[Path], now: float | None = None) -> list[RunRow]:
+    """`describe_run` of each, their stores asked all at once (`launcher.runs.store_listing`)."""
+    stores = ask_stores(run_dirs)
+    return [describe_run(run, now, stores) for run in run_dirs]
+
+
+def describe_run(
+    run_dir: Path, now: float | None = None, stores: dict[Path, StoreAnswer] | None = None
+) -> RunRow:
     """What `train runs` says of a run; one that cannot be read is `unreadable`, never an
-    error: one bad run must not break the list of all of them."""
+    error: one bad run must not break the list of all of them. `stores`: `ask_stores`'
+    answers, which name this run if its checkpoints are in a store (None: asked here)."""
     try:
-        return _describe(run_dir, now)
+        return _describe(run_dir, now, stores)
     except Exception as exc:  # whatever its files hold
         blank = dict.fromkeys(f.name for f in fields(RunRow))
         return RunRow(**{**blank, "name": run_dir.parent.name, "folder": str(run_dir),
                          "status": "unreadable", "reason": f"{type(exc).__name__} reading it"})  # fmt: skip
 
 
-def _describe(run_dir: Path, now: float | None) -> RunRow:
+def _describe(run_dir: Path, now: float | None, stores: dict[Path, StoreAnswer] | None) -> RunRow:
     layout = RunLayout(run_dir)
     status, outcome = run_status(layout)
     progress = read_progress(layout)
@@ -136,7 +147,7 @@ def _describe(run_dir: Path, now: float | None) -> RunRow:
     best_loss = progress.best("loss")
     best = progress.best(metric, mode)
     best_val = (metric, *best) if best is not None else None
-    newest, store = _newest_checkpoint(run_dir)
+    newest, store = _newest_checkpoint(run_dir, stores)
     started = _started(layout)
     ended = _ended(layout, status, outcome)
     end = ended if ended is not None else (now or time.time()) if status == "running" else None
@@ -156,7 +167,8 @@ def _describe(run_dir: Path, now: float | None) -> RunRow:
         best_val_step=best_val[2] if best_val else None,
         checkpoint=str(newest) if newest else None,
         checkpoint_step=step_of(newest) if newest else None,
-        checkpoint_store=store,
+        checkpoint_store=store.store if store else None,
+        checkpoint_store_error=store.problem if store else None,
         started=started,
         ended=ended,
         duration_s=round(end - started, 3) if end is not None and started is not None else None,
@@ -171,20 +183,20 @@ def _groups_lost(layout: RunLayout) -> int | None:
     return sum(e["event"] == "lost" for e in fault_events.read(layout.fault_events))
 
 
-def _newest_checkpoint(run_dir: Path) -> tuple[Any, str | None]:
+def _newest_checkpoint(
+    run_dir: Path, stores: dict[Path, StoreAnswer] | None
+) -> tuple[Any, StoreAnswer | None]:
     """The newest complete checkpoint and, for a run whose checkpoints are in a store
-    (`checkpoint.dir`), the store's URL. A store that does not answer leaves the checkpoint
-    unknown; it never breaks the listing."""
+    (`checkpoint.dir`), the store's answer. A store that does not answer in time leaves the
+    checkpoint unknown, and says why; it never breaks or holds up the listing."""
+    store = (stores if stores is not None else ask_stores([run_dir])).get(run_dir)
+    if store is not None:
+        return store.newest, store
     try:
         root = store_root(run_dir)
     except LauncherError:  # a damaged record of the store
         return None, None
-    if not is_remote(root):
-        return Catalog(root).latest(), None
-    try:
-        return Catalog(root).latest(), str(root)
-    except Exception:  # each store's client raises its own types
-        return None, str(root)
+    return Catalog(root).latest(), None
 
 
 def run_status(layout: RunLayout) -> tuple[str, RunOutcome | None]:

@@ -39,7 +39,7 @@ def runs_table(rows: list[RunRow]) -> Table:
         "loss": [_number(row.last_loss) for row in rows],
         "best loss": [_number(row.best_loss) for row in rows],
         f"best {one_metric or 'val'}": [_best_val(row, one_metric is None) for row in rows],
-        "checkpoint": [_number(row.checkpoint_step) for row in rows],
+        "checkpoint": [_checkpoint(row) for row in rows],
         "started": [_when(row.started) for row in rows],
         "duration": [duration(row.duration_s) for row in rows],
     }
@@ -61,6 +61,26 @@ def runs_table(rows: list[RunRow]) -> Table:
     for row in zip(*columns.values(), strict=True):
         table.add_row(*row)
     return table
+
+
+def unlisted_stores(rows: list[RunRow]) -> list[Text]:
+    """Under the table, why a run's checkpoint is `?`: its store could not be listed. One line
+    a reason (the runs of one unreachable store share it), naming the first such store."""
+    stores: dict[str, list[str]] = {}
+    for row in rows:
+        if row.checkpoint_store_error is not None:
+            stores.setdefault(row.checkpoint_store_error, []).append(row.checkpoint_store or "")
+    lines = []
+    for reason, named in stores.items():
+        more = f" (and {len(named) - 1} more)" if len(named) > 1 else ""
+        line = f"? checkpoints in {named[0]}{more} could not be listed: {reason}"
+        lines.append(Text(clean(line), style="yellow"))
+    return lines
+
+
+def _checkpoint(row: RunRow) -> str:
+    # `?`: unknown (its store did not answer), explained under the table; `-`: none yet.
+    return "?" if row.checkpoint_store_error is not None else _number(row.checkpoint_step)
 
 
 def status_text(row: RunRow) -> Text:

@@ -185,7 +185,7 @@ def _train(plan: WorkerPlan) -> int:
             spec, plan.accelerator, plan.compile_cache, plan.replica_group, attempt
         )
         strategy.setup()
-        recipe = load_recipe(spec.recipe.source)
+        recipe = load_recipe(spec.recipe.source, float8=spec.train.float8)
         Trainer(
             spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
         ).fit(plan.memory_estimate)

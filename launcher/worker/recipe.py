@@ -48,6 +48,7 @@ import torch
 
 from launcher.config.sources import given_on_command_line
 from launcher.errors import UsageError
+from launcher.parallel.float8 import quiet_torchao_import
 from launcher.parallel.hugging_face import init_hf_weights, is_hf_model
 
 REQUIRED = ("build_model", "build_dataset", "loss")
@@ -243,12 +244,15 @@ def _takes_by_name(hook: Callable[..., Any], name: str) -> bool:
     return wanted is not None and wanted.kind in by_name
 
 
-def load_recipe(source: str, origin: str = "") -> Recipe:
+def load_recipe(source: str, origin: str = "", float8: bool = False) -> Recipe:
     """Import `source` and check it has what the launcher calls. `origin`: where the path came
     from, as `launcher.config.sources` records it (the launcher knows; a worker does not).
+    `float8`: the run trains in float8 (`train.float8`), which keeps more of what torchao
+    says as a recipe's imports import it (`launcher.parallel.float8.quiet_torchao_import`).
 
     A failure inside the user's own module shows their traceback: it is their bug to fix.
     """
+    quiet_torchao_import(float8)
     try:
         module = _import(source, origin)
     except UsageError:
@@ -370,4 +374,5 @@ def import_recipe_file(name: str, path: str) -> None:
     already imported here. A worker's sys.path is its training process's (multiprocessing
     sends it), which holds the recipe's folder."""
     if name not in sys.modules:
+        quiet_torchao_import(float8=False)  # a loader worker never trains
         _exec_file(name, path)

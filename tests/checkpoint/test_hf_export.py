@@ -163,6 +163,24 @@ def test_hf_export_never_writes_into_a_folder_that_holds_anything(tmp_path: Path
     assert (taken / "mine.txt").read_text() == "mine"
 
 
+def test_hf_export_creates_the_folders_above_its_folder(tmp_path: Path) -> None:
+    """It was refused, "no folder ...", where `save_pretrained` itself creates them."""
+    from recipes.hf_gpt2 import build_model
+
+    checkpoint = _fake_checkpoint(tmp_path / "ckpt", GPT2, build_model().state_dict())
+    out = tmp_path / "exports" / "gpt2" / "hf"
+    result = train_in_fork(["export", str(checkpoint), "--hf", str(out)], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "config.json").is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no partial folder left beside
+    # A file where a folder would be created is one line, and nothing is read or made.
+    (tmp_path / "notes").write_text("mine")
+    blocked = tmp_path / "notes" / "gpt2" / "hf"
+    refused = train_in_fork(["export", str(checkpoint), "--hf", str(blocked)], tmp_path)
+    usage_error(refused, f"--hf {blocked}: {tmp_path / 'notes'} is a file, where a folder")
+    assert (tmp_path / "notes").read_text() == "mine"
+
+
 def test_export_takes_out_or_hf(tmp_path: Path) -> None:
     checkpoint = _fake_checkpoint(tmp_path / "ckpt", GPT2, {"w": torch.ones(3)})
     neither = train_in_fork(["export", str(checkpoint)], tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,33 @@ def test_the_operators_processes_per_pod_come_over_the_file_and_under_flags(
     assert resolved.launch.devices == devices
     if devices == 8:
         assert sources["launch.devices"].startswith("PET_NPROC_PER_NODE (Kubeflow PyTorchJob gpt)")
+
+
+def test_pet_nproc_per_node_alone_is_the_processes_per_node_as_torchrun_reads_it() -> None:
+    """It was read only with a Kubeflow job's other variables, and silently ignored alone
+    (issue 52): a one-pod PyTorchJob, or a user used to torchrun, sets it on its own."""
+    alone = resolve_nodes(env={"PET_NPROC_PER_NODE": "3"})
+    assert (alone.multi, alone.devices, alone.source) == (False, 3, "")
+    # So do the other operators' pods, which never set it themselves.
+    jobset = jobset_pod(PET_NNODES="4", PET_NPROC_PER_NODE="2")
+    assert resolve_nodes(env=jobset, fqdn=lambda: JOBSET_FQDN).devices == 2
+    assert resolve_nodes(env={**SKYPILOT, "PET_NPROC_PER_NODE": "4"}).devices == 4
+
+
+@pytest.mark.timeout(60)
+def test_validate_checks_the_devices_pet_nproc_per_node_gives(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "run.yaml", launch={"devices": 1})
+    alone = {"PET_NPROC_PER_NODE": "3"}
+    validate = ["validate", "--config", str(spec), "--explain"]
+    result = train_in_fork(validate, tmp_path, env=alone)
+    assert result.returncode == 0, result.stderr
+    assert "at 3 devices x 8" in result.stdout, result.stdout
+    assert re.search(r"launch\.devices +3 +PET_NPROC_PER_NODE \(over ", result.stdout)
+    flag = train_in_fork([*validate, "--devices", "2"], tmp_path, env=alone)
+    assert "at 2 devices x 8" in flag.stdout, flag.stdout + flag.stderr
+    refused = train_in_fork(validate, tmp_path, env={"PET_NPROC_PER_NODE": "lots"})
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith("error: PET_NPROC_PER_NODE='lots': expected"), refused.stderr
 
 
 def test_an_indexed_job_without_a_node_count_is_refused_naming_the_flag() -> None:
@@ -384,6 +412,7 @@ def test_job_names_are_kubernetes_names() -> None:
         ({**PET, "PET_NODE_RANK": "9" * 5000}, "PET_NODE_RANK='9999"),  # past int()'s digits
         ({**PET, "PET_NPROC_PER_NODE": "lots"}, "PET_NPROC_PER_NODE='lots'"),
         ({**PET, "PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE='0'"),
+        ({"PET_NPROC_PER_NODE": "lots"}, "PET_NPROC_PER_NODE='lots'"),  # alone, as torchrun's
         ({**jobset_pod(PET_NNODES="4"), "JOB_COMPLETION_INDEX": "²"}, "JOB_COMPLETION_INDEX='²'"),
     ],
 )

@@ -10,9 +10,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from tests.conftest import (
     FAULTY_RECIPE,
     REPO,
     finish_train,
+    free_port,
     start_train,
     usage_error,
     wait_for_step,
@@ -336,3 +339,78 @@ def test_plot_draws_a_loss_of_plus_and_minus_1e308(runs: tuple[Path, dict], tmp_
         assert drawn.returncode == 0, drawn.stdout + drawn.stderr
         if package == "plotext":
             assert "beyond ±1e300) at step 11, 12\n" in drawn.stdout, drawn.stdout
+
+
+# --- runs whose checkpoints are in a store (checkpoint.dir: s3://...) -----------------------
+
+
+def _stored_run(output_dir: Path, name: str, url: str, **options: str) -> Path:
+    """A run folder as a launcher leaves one whose checkpoints go to the store `url`: its spec
+    and its record of the store (with `options`, a storage_options the spec gave)."""
+    from launcher.checkpoint.catalog import record_store
+    from launcher.storage_url import location
+
+    run = output_dir / name / "r1"
+    run.mkdir(parents=True)
+    write_spec(run / "spec.yaml", run={"name": name, "output_dir": str(output_dir)})
+    record_store(run, location(url, options))
+    return run
+
+
+def _fake_credentials(endpoint: str) -> dict[str, str]:
+    """What a user's environment holds for a store; none of this machine's own."""
+    return {
+        "AWS_ACCESS_KEY_ID": "key",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_CONFIG_FILE": "/nonexistent",
+    }
+
+
+def test_a_store_that_cannot_be_reached_is_named_with_its_reason(tmp_path: Path) -> None:
+    """Its run's checkpoint was `-`, like a run with none, with no word why; and each such run
+    held `train runs` up some 10 s while the client tried the closed port again."""
+    from tests.s3_server import BUCKET, s3_server
+
+    out = tmp_path / "runs"
+    closed = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    _stored_run(out, "lost", f"s3://{BUCKET}/lost", endpoint_url=closed)
+    _stored_run(out, "kept", f"s3://{BUCKET}/kept")
+    for server in s3_server():
+        server.filesystem().pipe(f"{BUCKET}/kept/step-00000004/COMPLETE", b"")
+        table = cli("runs", "--output-dir", str(out), env=server.env)
+        rows = {row["name"]: row for row in json.loads(cli(
+            "runs", "--output-dir", str(out), "--json", env=server.env).stdout)}  # fmt: skip
+    assert table.returncode == 0, table.stdout + table.stderr
+    cells = {line.split()[0]: line.split()[7] for line in table.stdout.splitlines()[1:3]}
+    assert cells == {"kept": "4", "lost": "?"}, table.stdout
+    said = f"? checkpoints in s3://{BUCKET}/lost could not be listed: the endpoint is unreachable"
+    assert said in table.stdout, table.stdout
+    assert f'{closed}/{BUCKET}")' in table.stdout  # the client's words, less the query string
+    assert rows["lost"]["checkpoint"] is None
+    assert rows["lost"]["checkpoint_store_error"].startswith("the endpoint is unreachable")
+    assert rows["kept"]["checkpoint_step"] == 4 and rows["kept"]["checkpoint_store_error"] is None
+
+
+@pytest.mark.timeout(90)
+def test_a_store_that_never_answers_holds_the_listing_up_for_seconds(tmp_path: Path) -> None:
+    """An endpoint that takes connections and says nothing: S3's client waits a minute for
+    each request, and tries again; `train runs` waited that for every run of the store."""
+    from launcher.runs.store_listing import STORE_WAIT_S
+
+    out = tmp_path / "runs"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes the connections; nobody reads them
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        for name in ("a", "b", "c"):
+            _stored_run(out, name, f"s3://bucket/{name}")
+        started = time.monotonic()
+        table = cli("runs", "--output-dir", str(out), env=_fake_credentials(endpoint))
+        took = time.monotonic() - started
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert took < STORE_WAIT_S + 10, took  # the wait, and the start of a Python process
+    said = f"? checkpoints in s3://bucket/a (and 2 more) could not be listed: no answer within {STORE_WAIT_S:g} s"
+    assert said in table.stdout, table.stdout

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from urllib.parse import unquote
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 

@@ -89,6 +89,9 @@ class Checkpointer:
         self.keep_last = keep_last
         self.use_async = use_async
         self._pending: _Pending | None = None
+        # The newest checkpoint this attempt saved or resumed from in its store: what a bucket
+        # deleted mid-run takes along (`save_failure.failing_save`), which no listing can say.
+        self._newest: Any = None
         self._said_slow = False  # the warning that saves outpace the storage, once a run
         self._staging: Any = None  # the background copy of the state, while it runs
         self._group = strategy.checkpoint_group() if use_async else None
@@ -105,7 +108,7 @@ class Checkpointer:
         self._wait_for_previous(step)
         started = time.perf_counter()
         staging = self.store.where(step)
-        with failing_save(self.store, step, self.run_dir):
+        with failing_save(self.store, step, self.run_dir, self._newest):
             if self.store.prepares:  # a folder made before any rank writes into it
                 if self.strategy.is_main:
                     self.store.prepare(staging)
@@ -165,6 +168,7 @@ class Checkpointer:
         size). A checkpoint of this run's own catalogue is never pruned by this attempt."""
         if path in self.catalog.complete():
             self.protected.add(step_of(path) or 0)
+            self._newest = path
         state = self.model.state_dict()
         if "ema" in state and not saved_with(path, "ema."):
             del state["ema"]  # train.ema is new: the average starts from the loaded weights
@@ -206,12 +210,13 @@ class Checkpointer:
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
         assert pending is not None
-        with failing_save(self.store, pending.step, self.run_dir):
+        with failing_save(self.store, pending.step, self.run_dir, self._newest):
             pending.future.result()  # a failed write raises here, on the training thread
             # Rank 0's write ends with DCP gathering every rank's results, so all are written.
             self._publish(pending.staging, pending.step, pending.meta, pending.started)
 
     def _publish(self, staging: Any, step: int, meta: dict[str, Any], started: float) -> None:
+        self._newest = self.catalog.checkpoint(step)
         if not self.strategy.is_main:
             return
         self.store.publish(staging, step, json.dumps(meta))

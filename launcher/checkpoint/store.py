@@ -11,6 +11,8 @@ first. A crash at any moment leaves at worst a folder without a marker, which th
 (`launcher.checkpoint.catalog`) never takes and the next attempt clears as it starts. Every rank
 writes its own files straight to the store: nodes need not share a disk.
 
+A store never creates its bucket (`launcher.checkpoint.bucket`).
+
 Each method is called by the ranks the Checkpointer says; none is collective.
 """
 
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.bucket import make_folder
 from launcher.checkpoint.catalog import Catalog
 from launcher.checkpoint.save_failure import explained_writes, file_writer
 from launcher.checkpoint.shared_storage import check_shared_run_dir
@@ -128,11 +131,15 @@ class ObjectStore:
 
         # sync_files would fall back to os.sync(), the whole machine's, for a stream with no
         # file descriptor: an upload is durable once its file is closed.
-        return StoreWriter(str(where), sync_files=False, **self.options)
+        writer = StoreWriter(str(where), sync_files=False, **self.options)
+        fs = writer.fs.fs  # the fsspec file system under DCP's, whose makedirs makes buckets
+        writer.fs.mkdir = lambda folder: make_folder(fs, str(folder))
+        return writer
 
     def write_file(self, path: Any, data: bytes) -> None:
-        # Folders where the store has them (file://, a mount); nothing on S3, which has none.
-        path.fs.makedirs(path.parent.path, exist_ok=True)
+        # Folders where the store has them (file://, a mount), never its bucket: one check
+        # that the bucket is there on S3, which has no folders.
+        make_folder(path.fs, path.parent.path)
         path.write_bytes(data)
 
     def publish(self, where: Any, step: int, meta: str) -> Any:

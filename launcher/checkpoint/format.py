@@ -178,7 +178,7 @@ def _meta_or_damage(path: Path) -> tuple[str | None, int]:
     try:
         meta = read_meta(path)
     except UnreadableJson as exc:
-        return f"{Path(exc.path).name}: {exc.reason}", 0
+        return f"{CheckpointFiles(path).meta.name}: {exc.reason}", 0  # a UPath's too
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
         return "meta.json does not record the world size the checkpoint was saved with", 0

@@ -15,7 +15,8 @@ import fsspec
 import pytest
 
 from launcher.checkpoint.bucket import make_folder
-from tests.conftest import run_train, write_spec
+from tests.conftest import only_run_dir, run_train, usage_error, write_spec
+from tests.forked_train import train_in_fork
 from tests.s3_server import BUCKET, S3Server, s3_server
 from tests.tiny_recipes import write_recipe
 
@@ -65,6 +66,14 @@ def _spec(folder: Path, store: str | None, **sections: dict) -> Path:
     )
 
 
+def _saved(folder: Path, s3: S3Server, prefix: str) -> str:
+    """A finished run of 4 steps into the store under `prefix`; its checkpoints' prefix."""
+    spec = _spec(folder, f"s3://{BUCKET}/{prefix}/{{run}}")
+    result = run_train(["--config", str(spec)], folder, env=s3.env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return f"{BUCKET}/{prefix}/{only_run_dir(folder / 'runs').name}"
+
+
 def _error_line(result: subprocess.CompletedProcess[str]) -> str:
     """The one error line of a run, said alike by every rank that said it (a rank's lines
     come prefixed with its rank)."""
@@ -91,6 +100,19 @@ def test_a_bucket_deleted_mid_run_stops_the_run_and_is_never_created_again(
     assert "bucket doomed" in line and "no longer exists" in line, line
     assert f"{STEP_2}, the newest checkpoint, may be lost with it" in line, line
     assert "intact" not in line
+
+
+def test_a_damaged_meta_json_in_the_store_is_one_line_before_launch(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """It used to be two tracebacks (`expected str, bytes or os.PathLike object, not S3Path`):
+    the damage check took a store's path for a local one."""
+    prefix = _saved(tmp_path, s3, "meta")
+    s3.filesystem().pipe(f"{prefix}/{STEP_4}/meta.json", b"{")
+    result = train_in_fork(["--config", "run.yaml", "--resume", "latest"], tmp_path, s3.env)
+    usage_error(result, f"{prefix}/{STEP_4}", "meta.json: not valid JSON")
+    assert "meta.json" in _error_line(result)
+    assert f"newest intact checkpoint is s3://{prefix}/{STEP_2}" in result.stdout + result.stderr
 
 
 def test_http_500s_on_a_steps_folder_are_the_could_not_be_written_line(

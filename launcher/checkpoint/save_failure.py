@@ -88,23 +88,6 @@ def free_bytes(where: Path) -> int:
     return 2**63
 
 
-def file_writer(path: Path) -> Any:
-    """DCP's own file writer (as `checkpoint_id=path` would pick it), whose failed writes say
-    which file-system limit they hit."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class ExplainedWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            with explained_writes(path):
-                return super().write_data(plan, planner)
-
-        def finish(self, metadata: Any, results: Any) -> None:
-            with explained_writes(path):
-                super().finish(metadata, results)
-
-    return ExplainedWriter(path)
-
-
 @contextlib.contextmanager
 def failing_save(store: Any, step: int, run_dir: Path, newest: Any = None) -> Iterator[None]:
     """Around a save, on every rank. A save that fails leaves nothing unpublished behind: every

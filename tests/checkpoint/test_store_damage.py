@@ -6,6 +6,8 @@ save is refused before launch, on a store and on a disk alike."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -15,6 +17,16 @@ import fsspec
 import pytest
 
 from launcher.checkpoint.bucket import make_folder
+from launcher.checkpoint.checksums import (
+    HashingStream,
+    Unreadable,
+    changed_file,
+    entry_of,
+    fingerprints,
+    marker_text,
+    recorded_files,
+)
+from launcher.storage_url import location
 from tests.conftest import only_run_dir, run_train, usage_error, write_spec
 from tests.forked_train import train_in_fork
 from tests.s3_server import BUCKET, S3Server, s3_server
@@ -74,6 +86,12 @@ def _saved(folder: Path, s3: S3Server, prefix: str) -> str:
     return f"{BUCKET}/{prefix}/{only_run_dir(folder / 'runs').name}"
 
 
+def _flip_bytes(data: bytes) -> bytes:
+    """The same number of bytes, a few in the middle flipped: no size check sees it."""
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 8]) + data[middle + 8 :]
+
+
 def _error_line(result: subprocess.CompletedProcess[str]) -> str:
     """The one error line of a run, said alike by every rank that said it (a rank's lines
     come prefixed with its rank)."""
@@ -115,6 +133,56 @@ def test_a_damaged_meta_json_in_the_store_is_one_line_before_launch(
     assert f"newest intact checkpoint is s3://{prefix}/{STEP_2}" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("where", ["store", "local"])
+def test_flipped_bytes_of_the_same_size_are_refused_before_launch(
+    tmp_path: Path, s3: S3Server, where: str
+) -> None:
+    """The pre-launch check read sizes only: the flipped shard failed in a rank (`Weights only
+    load failed`), or worse, loaded. The checksums recorded at save catch it."""
+    if where == "store":
+        prefix = _saved(tmp_path, s3, "flipped")
+        shard, fs = f"{prefix}/{STEP_4}/__0_0.distcp", s3.filesystem()
+        fs.pipe(shard, _flip_bytes(fs.cat(shard)))
+        intact, env = f"s3://{prefix}/{STEP_2}", s3.env
+    else:
+        spec = _spec(tmp_path, None)
+        assert run_train(["--config", str(spec)], tmp_path).returncode == 0
+        checkpoints = only_run_dir(tmp_path / "runs") / "checkpoints"
+        shard = checkpoints / STEP_4 / "__0_0.distcp"
+        shard.write_bytes(_flip_bytes(shard.read_bytes()))
+        intact, env = str(checkpoints / STEP_2), {}
+    resume = ["--config", "run.yaml", "--resume", "latest", "train.max_steps=6"]
+    result = train_in_fork(resume, tmp_path, env)
+    usage_error(
+        result, f"{STEP_4}", "__0_0.distcp", "checksum", f"newest intact checkpoint is {intact}"
+    )
+    _error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("file", "code"), [("meta.json", 2), ("__1_0.distcp", 1)], ids=["in-the-launcher", "in-a-rank"]
+)
+def test_a_store_that_answers_with_short_bodies_is_one_line(
+    tmp_path: Path, s3: S3Server, file: str, code: int
+) -> None:
+    """GET bodies cut short of their Content-Length (aiohttp's ClientPayloadError) used to
+    be a traceback: read by the launcher's check before launch (exit 2), or by a rank's
+    load (exit 1), where the store's listing vouched for the file."""
+    prefix = _saved(tmp_path, s3, f"short-{code}")
+    s3.truncated_gets.add(f"{STEP_4}/{file}")
+    try:
+        resume = ["--config", "run.yaml", "--resume", "latest", "train.max_steps=6"]
+        result = run_train(resume, tmp_path, env=s3.env)
+    finally:
+        s3.truncated_gets.clear()
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output
+    assert "Traceback" not in output
+    line = _error_line(result)
+    assert f"{prefix}/{STEP_4}" in line and file in line, line
+    assert "could not be read" in line and "3" in re.sub(r"[^0-9]", "", line), line
+
+
 def test_http_500s_on_a_steps_folder_are_the_could_not_be_written_line(
     tmp_path: Path, s3: S3Server
 ) -> None:
@@ -135,6 +203,64 @@ def test_http_500s_on_a_steps_folder_are_the_could_not_be_written_line(
     assert f"earlier checkpoints are intact (newest: {STEP_2})" in line, line
 
 
+def test_a_checkpoint_saved_before_checksums_still_resumes(tmp_path: Path) -> None:
+    """An empty COMPLETE marker, as every save wrote before checksums: nothing to check."""
+    spec = _spec(tmp_path, None)
+    assert run_train(["--config", str(spec)], tmp_path).returncode == 0
+    checkpoints = only_run_dir(tmp_path / "runs") / "checkpoints"
+    (checkpoints / STEP_4 / "COMPLETE").write_text("")
+    resumed = run_train(
+        ["--config", str(spec), "--resume", "latest", "train.max_steps=6"], tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at step 4" in resumed.stdout
+    assert recorded_files(checkpoints / "step-00000006") is not None  # new saves record them
+
+
+# The pure parts, without a run.
+
+
+def _folder_with_a_record(folder: Path, files: dict[str, bytes]) -> Path:
+    """A checkpoint folder holding `files`, its marker recording them as a save does."""
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    (folder / "COMPLETE").write_bytes(
+        marker_text({name: entry_of(data) for name, data in files.items()}, {})
+    )
+    return folder
+
+
+@pytest.mark.launcher_only
+def test_the_record_finds_flipped_bytes_a_new_size_and_a_missing_file(tmp_path: Path) -> None:
+    shard = bytes(range(256)) * 64
+    files = {"__0_0.distcp": shard, "meta.json": b"{}"}
+    checkpoint = _folder_with_a_record(tmp_path / "c", files)
+    assert changed_file(checkpoint) is None
+    (checkpoint / "__0_0.distcp").write_bytes(_flip_bytes(shard))
+    assert changed_file(checkpoint) == (
+        "__0_0.distcp does not match its checksum: its bytes changed since it was saved"
+    )
+    (checkpoint / "__0_0.distcp").write_bytes(shard[:-1])
+    assert changed_file(checkpoint) == "__0_0.distcp is 16,383 bytes, where 16,384 were saved"
+    (checkpoint / "__0_0.distcp").unlink()
+    assert changed_file(checkpoint) == "__0_0.distcp is missing"
+    (checkpoint / "COMPLETE").write_text("")  # saved before checksums: nothing to check
+    assert changed_file(checkpoint) is None
+    (checkpoint / "COMPLETE").write_text('{"files": {"../x": {"size": 1, "sha256": "0"}}}')
+    assert "names a file outside the checkpoint" in (changed_file(checkpoint) or "")
+
+
+@pytest.mark.launcher_only
+def test_a_stream_is_hashed_as_it_is_written(tmp_path: Path) -> None:
+    with (tmp_path / "f").open("wb") as file:
+        stream = HashingStream(file)
+        for part in (b"abc", memoryview(b"def"), bytearray(b"g" * 100_000)):
+            stream.write(part)
+        assert stream.tell() == 100_006  # the stream's own, as DCP's writer asks it
+    assert stream.entry() == entry_of((tmp_path / "f").read_bytes())
+
+
 def test_a_store_folder_is_made_without_ever_making_a_bucket(tmp_path: Path, s3: S3Server) -> None:
     """s3fs's makedirs creates a missing bucket; `make_folder` never does, on a store or on a
     disk (where the top folder of a path is the store's bucket)."""
@@ -150,3 +276,38 @@ def test_a_store_folder_is_made_without_ever_making_a_bucket(tmp_path: Path, s3:
     with pytest.raises(FileNotFoundError):
         make_folder(local, "/no-such-top-folder-of-launcher-tests/a")
     assert not Path("/no-such-top-folder-of-launcher-tests").exists()
+
+
+def test_a_store_listing_vouches_for_unchanged_files_and_a_copy_is_read(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """A file whose ETag is the one recorded is not read (a body cut short would show it);
+    one copied with another ETag is read and hashed, and passes when its bytes are the same."""
+    fs, folder = s3.filesystem(), f"{BUCKET}/listed/step-00000002"
+    shard = bytes(range(256)) * 64
+    fs.pipe(f"{folder}/__0_0.distcp", shard)
+    checkpoint = location(f"s3://{folder}", {"endpoint_url": s3.env["AWS_ENDPOINT_URL"]})
+    with _env(s3.env):
+        entries = {"__0_0.distcp": entry_of(shard)}
+        fs.pipe(f"{folder}/COMPLETE", marker_text(entries, fingerprints(checkpoint)))
+        s3.truncated_gets.add("__0_0.distcp")
+        try:
+            assert changed_file(checkpoint) is None  # the listing's ETag: no byte read
+            fs.pipe(f"{folder}/COMPLETE", marker_text(entries, {"__0_0.distcp": '"another"'}))
+            with pytest.raises(Unreadable, match="received 8192 of 16384 bytes"):
+                changed_file(checkpoint)  # read, and the store cut it short
+        finally:
+            s3.truncated_gets.clear()
+        assert changed_file(checkpoint) is None  # read whole: the same bytes
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """The store's credentials in this process's environment, as a launcher has them."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -18,13 +18,11 @@ import pytest
 
 from launcher.checkpoint.bucket import make_folder
 from launcher.checkpoint.checksums import (
-    HashingStream,
     Unreadable,
     changed_file,
     entry_of,
     fingerprints,
     marker_text,
-    recorded_files,
 )
 from launcher.storage_url import location
 from tests.conftest import only_run_dir, run_train, usage_error, write_spec
@@ -133,29 +131,20 @@ def test_a_damaged_meta_json_in_the_store_is_one_line_before_launch(
     assert f"newest intact checkpoint is s3://{prefix}/{STEP_2}" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("where", ["store", "local"])
 def test_flipped_bytes_of_the_same_size_are_refused_before_launch(
-    tmp_path: Path, s3: S3Server, where: str
+    tmp_path: Path, s3: S3Server
 ) -> None:
     """The pre-launch check read sizes only: the flipped shard failed in a rank (`Weights only
-    load failed`), or worse, loaded. The checksums recorded at save catch it."""
-    if where == "store":
-        prefix = _saved(tmp_path, s3, "flipped")
-        shard, fs = f"{prefix}/{STEP_4}/__0_0.distcp", s3.filesystem()
-        fs.pipe(shard, _flip_bytes(fs.cat(shard)))
-        intact, env = f"s3://{prefix}/{STEP_2}", s3.env
-    else:
-        spec = _spec(tmp_path, None)
-        assert run_train(["--config", str(spec)], tmp_path).returncode == 0
-        checkpoints = only_run_dir(tmp_path / "runs") / "checkpoints"
-        shard = checkpoints / STEP_4 / "__0_0.distcp"
-        shard.write_bytes(_flip_bytes(shard.read_bytes()))
-        intact, env = str(checkpoints / STEP_2), {}
+    load failed`), or worse, loaded. The checksums recorded at save catch it, from the store's
+    ETag (the check downloads only the file whose ETag changed). A disk's checkpoint:
+    tests/checkpoint/test_checkpoint_damage.py."""
+    prefix = _saved(tmp_path, s3, "flipped")
+    shard, fs = f"{prefix}/{STEP_4}/__0_0.distcp", s3.filesystem()
+    fs.pipe(shard, _flip_bytes(fs.cat(shard)))
     resume = ["--config", "run.yaml", "--resume", "latest", "train.max_steps=6"]
-    result = train_in_fork(resume, tmp_path, env)
-    usage_error(
-        result, f"{STEP_4}", "__0_0.distcp", "checksum", f"newest intact checkpoint is {intact}"
-    )
+    result = train_in_fork(resume, tmp_path, s3.env)
+    intact = f"s3://{prefix}/{STEP_2}"
+    usage_error(result, STEP_4, "__0_0.distcp", "checksum", f"newest intact checkpoint is {intact}")
     _error_line(result)
 
 
@@ -203,62 +192,7 @@ def test_http_500s_on_a_steps_folder_are_the_could_not_be_written_line(
     assert f"earlier checkpoints are intact (newest: {STEP_2})" in line, line
 
 
-def test_a_checkpoint_saved_before_checksums_still_resumes(tmp_path: Path) -> None:
-    """An empty COMPLETE marker, as every save wrote before checksums: nothing to check."""
-    spec = _spec(tmp_path, None)
-    assert run_train(["--config", str(spec)], tmp_path).returncode == 0
-    checkpoints = only_run_dir(tmp_path / "runs") / "checkpoints"
-    (checkpoints / STEP_4 / "COMPLETE").write_text("")
-    resumed = run_train(
-        ["--config", str(spec), "--resume", "latest", "train.max_steps=6"], tmp_path
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed at step 4" in resumed.stdout
-    assert recorded_files(checkpoints / "step-00000006") is not None  # new saves record them
-
-
-# The pure parts, without a run.
-
-
-def _folder_with_a_record(folder: Path, files: dict[str, bytes]) -> Path:
-    """A checkpoint folder holding `files`, its marker recording them as a save does."""
-    folder.mkdir(parents=True)
-    for name, data in files.items():
-        (folder / name).write_bytes(data)
-    (folder / "COMPLETE").write_bytes(
-        marker_text({name: entry_of(data) for name, data in files.items()}, {})
-    )
-    return folder
-
-
-@pytest.mark.launcher_only
-def test_the_record_finds_flipped_bytes_a_new_size_and_a_missing_file(tmp_path: Path) -> None:
-    shard = bytes(range(256)) * 64
-    files = {"__0_0.distcp": shard, "meta.json": b"{}"}
-    checkpoint = _folder_with_a_record(tmp_path / "c", files)
-    assert changed_file(checkpoint) is None
-    (checkpoint / "__0_0.distcp").write_bytes(_flip_bytes(shard))
-    assert changed_file(checkpoint) == (
-        "__0_0.distcp does not match its checksum: its bytes changed since it was saved"
-    )
-    (checkpoint / "__0_0.distcp").write_bytes(shard[:-1])
-    assert changed_file(checkpoint) == "__0_0.distcp is 16,383 bytes, where 16,384 were saved"
-    (checkpoint / "__0_0.distcp").unlink()
-    assert changed_file(checkpoint) == "__0_0.distcp is missing"
-    (checkpoint / "COMPLETE").write_text("")  # saved before checksums: nothing to check
-    assert changed_file(checkpoint) is None
-    (checkpoint / "COMPLETE").write_text('{"files": {"../x": {"size": 1, "sha256": "0"}}}')
-    assert "names a file outside the checkpoint" in (changed_file(checkpoint) or "")
-
-
-@pytest.mark.launcher_only
-def test_a_stream_is_hashed_as_it_is_written(tmp_path: Path) -> None:
-    with (tmp_path / "f").open("wb") as file:
-        stream = HashingStream(file)
-        for part in (b"abc", memoryview(b"def"), bytearray(b"g" * 100_000)):
-            stream.write(part)
-        assert stream.tell() == 100_006  # the stream's own, as DCP's writer asks it
-    assert stream.entry() == entry_of((tmp_path / "f").read_bytes())
+# The pure parts, with a store.
 
 
 def test_a_store_folder_is_made_without_ever_making_a_bucket(tmp_path: Path, s3: S3Server) -> None:

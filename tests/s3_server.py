@@ -4,7 +4,11 @@ credentials and endpoint in the environment as a user's would be.
 
 `slow_puts` holds back chosen uploads (a path's ending → seconds), so that a test can kill a
 run in the middle of a save, with some files of a checkpoint in the store and not others;
-`refused_puts` answers chosen uploads with S3's AccessDenied, which no client retries."""
+`refused_puts` answers chosen uploads with S3's AccessDenied, which no client retries;
+`truncated_gets` answers downloads of chosen objects (a path's ending) with half their bytes
+under the whole one's Content-Length, as a connection cut mid-body does; `failing_paths` answers
+every request whose path or query holds one of its texts (a listing names its prefix in the
+query) with HTTP 500, which clients retry, then give up on."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 
@@ -26,6 +31,10 @@ _ACCESS_DENIED = (
     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
     b"<Message>refused by the test</Message></Error>"
 )
+_INTERNAL_ERROR = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+    b"<Message>failed by the test</Message></Error>"
+)
 
 
 class S3Server(moto_server.ThreadedMotoServer):
@@ -33,6 +42,8 @@ class S3Server(moto_server.ThreadedMotoServer):
         super().__init__(ip_address="127.0.0.1", port=free_port(), verbose=False)
         self.slow_puts: dict[str, float] = {}
         self.refused_puts: set[str] = set()
+        self.truncated_gets: set[str] = set()
+        self.failing_paths: set[str] = set()
         # Unique per server: a test greps a run's files for them.
         self.env = {
             "AWS_ACCESS_KEY_ID": f"key-{secrets.token_hex(6)}",
@@ -57,8 +68,14 @@ class S3Server(moto_server.ThreadedMotoServer):
 
     def _held_back(self, app: Any) -> Any:
         def held(environ: dict[str, Any], start_response: Any) -> Any:
-            path = environ.get("PATH_INFO", "")
-            if environ["REQUEST_METHOD"] == "PUT":
+            path, method = environ.get("PATH_INFO", ""), environ["REQUEST_METHOD"]
+            query = unquote(environ.get("QUERY_STRING", ""))
+            if any(text in f"{path}?{query}" for text in self.failing_paths):
+                start_response("500 Internal Server Error", [("Content-Type", "application/xml")])
+                return [] if method == "HEAD" else [_INTERNAL_ERROR]
+            if method == "GET" and any(path.endswith(end) for end in self.truncated_gets):
+                return _truncated(app, environ, start_response)
+            if method == "PUT":
                 for ending, seconds in list(self.slow_puts.items()):
                     if path.endswith(ending):
                         time.sleep(seconds)
@@ -76,6 +93,15 @@ class S3Server(moto_server.ThreadedMotoServer):
             endpoint_url=self.env["AWS_ENDPOINT_URL"],
             use_listings_cache=False,
         )
+
+
+def _truncated(app: Any, environ: dict[str, Any], start_response: Any) -> Any:
+    """The app's answer with its headers as they are (Content-Length the whole body's) and
+    the first half of its body: werkzeug's server then closes the connection, mid-body."""
+    answer: list[Any] = []
+    body = b"".join(app(environ, lambda status, headers, *_: answer.extend([status, headers])))
+    start_response(*answer)
+    return [body[: len(body) // 2]]
 
 
 def s3_server() -> Iterator[S3Server]:

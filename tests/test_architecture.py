@@ -215,6 +215,7 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "checkpoint/test_export.py": ("build_model", "a GPT with its lm_head tied"),
         "checkpoint/test_resume.py": ("loss", "mlp's loss counting calls in recipe state"),
         "checkpoint/test_storage_faults.py": (both, "a model a full disk cannot hold"),
+        "checkpoint/test_store_damage.py": ("loss", "a loss that deletes the bucket mid-run"),
         "cli/test_bad_inputs.py": (every, "recipes broken on purpose"),
         "cli/test_cli.py": (every, "a recipe whose build raises"),
         "cli/test_validate.py": (every, "recipes `train validate` refuses, piece by piece"),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from launcher.checkpoint.catalog import catalog_of, step_of
+from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.format import (
     check_matches,
     loaded_keys,
@@ -32,9 +33,10 @@ from launcher.checkpoint.format import (
     saved_with,
     weights_only_planner,
 )
-from launcher.checkpoint.save_failure import failing_save
+from launcher.checkpoint.save_failure import causes, failing_save
 from launcher.checkpoint.state import LoopState, ModelState
-from launcher.checkpoint.store import reader, store_for, torch_bytes, writing_first
+from launcher.checkpoint.store import reader, store_for, torch_bytes
+from launcher.errors import RunError
 from launcher.parallel.base import Strategy, local_shard
 from launcher.parallel.dims import ParallelDims
 from launcher.rundir.layout import CheckpointFiles
@@ -52,6 +54,7 @@ class _Pending:
     meta: dict[str, Any]
     future: Any
     started: float  # perf_counter() when the save began
+    writer: Any  # DCP's writer, which records every file it writes
 
 
 class Checkpointer:
@@ -89,6 +92,9 @@ class Checkpointer:
         self.keep_last = keep_last
         self.use_async = use_async
         self._pending: _Pending | None = None
+        # The newest checkpoint this attempt saved or resumed from in its store: what a bucket
+        # deleted mid-run takes along (`save_failure.failing_save`), which no listing can say.
+        self._newest: Any = None
         self._said_slow = False  # the warning that saves outpace the storage, once a run
         self._staging: Any = None  # the background copy of the state, while it runs
         self._group = strategy.checkpoint_group() if use_async else None
@@ -105,20 +111,17 @@ class Checkpointer:
         self._wait_for_previous(step)
         started = time.perf_counter()
         staging = self.store.where(step)
-        with failing_save(self.store, step, self.run_dir):
+        with failing_save(self.store, step, self.run_dir, self._newest):
             if self.store.prepares:  # a folder made before any rank writes into it
                 if self.strategy.is_main:
                     self.store.prepare(staging)
                 self.strategy.barrier()
             rank_file = CheckpointFiles(staging).rank_state(self.strategy.rank)
-            data = torch_bytes(rank_state)
             # The store's own writer, and no checkpoint_id: DCP would build a writer anew
             # from it, without the store's options. It writes this rank's own file with its
             # shards, in the background for an async save, so that DCP's gather of every
             # rank's results covers it.
-            writer = writing_first(
-                self.store.writer(staging), self.store.write_file, rank_file, data
-            )
+            writer = self.store.writer(staging, rank_file, torch_bytes(rank_state))
             if self.use_async:
                 module = getattr(self.model, "model", None)
                 state = {**state, "model": snapshot_buffers(state.get("model", {}), module)}
@@ -130,7 +133,7 @@ class Checkpointer:
                 )
                 future = getattr(response, "upload_completion", response)
                 self._staging = getattr(response, "staging_completion", None)
-                self._pending = _Pending(step, staging, meta, future, started)
+                self._pending = _Pending(step, staging, meta, future, started, writer)
                 return
             with _quiet_dcp():
                 dcp.save(
@@ -138,7 +141,7 @@ class Checkpointer:
                     storage_writer=writer,
                     planner=self.strategy.save_planner(),
                 )
-            self._publish(staging, step, meta, started)
+            self._publish(staging, step, meta, started, writer)
         self.strategy.barrier()
 
     def _wait_for_previous(self, step: int) -> None:
@@ -165,10 +168,21 @@ class Checkpointer:
         size). A checkpoint of this run's own catalogue is never pruned by this attempt."""
         if path in self.catalog.complete():
             self.protected.add(step_of(path) or 0)
+            self._newest = path
         state = self.model.state_dict()
         if "ema" in state and not saved_with(path, "ema."):
             del state["ema"]  # train.ema is new: the average starts from the loaded weights
-        own = load(path, state, self.strategy)
+        try:
+            own = load(path, state, self.strategy)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            unreadable = next((c for c in causes(exc) if isinstance(c, Unreadable)), None)
+            if unreadable is None:
+                raise
+            raise RunError(
+                f"checkpoint {path} could not be loaded: {unreadable}",
+                hint="The store did not serve the whole file: check the store and the network, "
+                "then run again.",
+            ) from exc
         self.model.load_state_dict(state)
         self.train.load_state_dict(read_meta(path), own)
         return own is not None
@@ -206,15 +220,20 @@ class Checkpointer:
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
         assert pending is not None
-        with failing_save(self.store, pending.step, self.run_dir):
+        with failing_save(self.store, pending.step, self.run_dir, self._newest):
             pending.future.result()  # a failed write raises here, on the training thread
             # Rank 0's write ends with DCP gathering every rank's results, so all are written.
-            self._publish(pending.staging, pending.step, pending.meta, pending.started)
+            self._publish(
+                pending.staging, pending.step, pending.meta, pending.started, pending.writer
+            )
 
-    def _publish(self, staging: Any, step: int, meta: dict[str, Any], started: float) -> None:
+    def _publish(
+        self, staging: Any, step: int, meta: dict[str, Any], started: float, writer: Any
+    ) -> None:
+        self._newest = self.catalog.checkpoint(step)
         if not self.strategy.is_main:
             return
-        self.store.publish(staging, step, json.dumps(meta))
+        self.store.publish(staging, step, json.dumps(meta), writer)
         self.write_times.append(time.perf_counter() - started)
         # The best checkpoints as of this one are kept whatever their age.
         best = [step for step, _ in (meta.get("best") or {}).get("kept", [])]

@@ -1,6 +1,7 @@
 """A damaged checkpoint is refused in the launcher, before a folder is created or a worker
 started, naming the file and the newest checkpoint of its run that is intact. Nothing is
-deleted: the user decides what to do with the damaged one."""
+deleted: the user decides what to do with the damaged one. A file the storage does not serve
+(a store's error, a body cut short) is said as such: the checkpoint may well be intact."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launcher.checkpoint.catalog import catalog_of, run_of
+from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.format import damage
 from launcher.errors import UsageError
 
@@ -17,7 +19,14 @@ def refuse_damaged(
 ) -> None:
     """`what` says what the checkpoint is to the user, when it is not the one they named;
     `check` what must be whole (by default, all of it)."""
-    problem = check(checkpoint)
+    try:
+        problem = check(checkpoint)
+    except Unreadable as exc:
+        raise UsageError(
+            f"{what or f'--resume {checkpoint}:'} {exc}",
+            hint="The store did not serve the whole file (nothing was changed): check the store "
+            "and the network, then run again.",
+        ) from None
     if problem is not None:
         raise UsageError(
             f"{what or f'--resume {checkpoint}: this checkpoint'} is damaged: {problem}",
@@ -28,9 +37,16 @@ def refuse_damaged(
 def newest_intact(run_dir: Path, excluding: Path | None = None) -> Path | None:
     """The newest complete checkpoint of a run folder that is not damaged (other than `excluding`)."""
     for checkpoint in reversed(catalog_of(run_dir).complete()):
-        if checkpoint != excluding and damage(checkpoint) is None:
+        if checkpoint != excluding and _is_intact(checkpoint):
             return checkpoint
     return None
+
+
+def _is_intact(checkpoint: Path) -> bool:
+    try:
+        return damage(checkpoint) is None
+    except Unreadable:  # it cannot be told: not one to offer
+        return False
 
 
 def _what_to_resume_instead(damaged: Path) -> str:

@@ -16,10 +16,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.checksums import Unreadable, changed_file
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import UnreadableFile, UnreadableJson, open_file, read_json
 from launcher.safe_text import clean
+from launcher.storage_url import is_remote
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -106,14 +108,29 @@ def _load_metadata(path: Path) -> Any:
 def damage(path: Path) -> str | None:
     """What keeps the complete checkpoint at `path` from loading, naming the file; None when it
     is whole. DCP's data files must exist and hold every byte that `.metadata` places in them;
-    meta.json and every rank's rank-N.pt must load. Of the data files only the sizes are read."""
+    meta.json and every rank's rank-N.pt must load; and every file must match the checksum its
+    save recorded, where it recorded them (`launcher.checkpoint.checksums`), which finds what
+    loads but is not what was saved. `checksums.Unreadable` where the storage does not serve a
+    file (a store's error, a body cut short)."""
     try:
         metadata = _load_metadata(path)
     except FileNotFoundError:
         return ".metadata is missing"
     except _CORRUPT as exc:
         return f".metadata: corrupt or unsafe checkpoint metadata ({clean(str(exc))})"
-    return _data_damage(path, getattr(metadata, "storage_data", None)) or _state_damage(path)
+    except Exception as exc:  # a store's error, a body cut short; a disk's stays as it is
+        if not is_remote(path):
+            raise
+        raise Unreadable.reading(CheckpointFiles(path).dcp_metadata, exc) from exc
+    try:
+        storage = getattr(metadata, "storage_data", None)
+        return _data_damage(path, storage) or _state_damage(path) or changed_file(path)
+    except Unreadable:
+        raise
+    except Exception as exc:  # a store's listing or stat that failed
+        if not is_remote(path):
+            raise
+        raise Unreadable.reading(path, exc) from exc
 
 
 def _data_damage(path: Path, storage: Any) -> str | None:
@@ -178,7 +195,11 @@ def _meta_or_damage(path: Path) -> tuple[str | None, int]:
     try:
         meta = read_meta(path)
     except UnreadableJson as exc:
-        return f"{Path(exc.path).name}: {exc.reason}", 0
+        return f"{CheckpointFiles(path).meta.name}: {exc.reason}", 0
+    except Exception as exc:  # a store's error, a body cut short
+        if not is_remote(path):
+            raise
+        raise Unreadable.reading(CheckpointFiles(path).meta, exc) from exc
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
         return "meta.json does not record the world size the checkpoint was saved with", 0
@@ -202,7 +223,13 @@ def _state_damage(path: Path) -> str | None:
             return f"{name} is {exc.reason}"
         with file:
             try:
-                torch.load(file, map_location="cpu", weights_only=True)
+                data = file.read()
+            except Exception as exc:  # a store's error, a body cut short
+                if not is_remote(path):
+                    raise
+                raise Unreadable.reading(files.rank_state(rank), exc) from exc
+            try:
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as exc:  # torch raises a different type for each way it breaks
                 reason = str(exc).split(". ")[0].splitlines()[0] if str(exc) else type(exc).__name__
                 return f"{name} does not load ({clean(reason)})"

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.bucket import bucket_is_gone, bucket_of
 from launcher.errors import RunError
 from launcher.rundir.layout import CheckpointFiles
 from launcher.safe_text import clean
@@ -38,16 +39,21 @@ _LIMITS = {
 
 
 def limit_hit(exc: BaseException) -> OSError | None:
-    """The OSError of a file-system limit behind `exc`: in its chain, or among the ranks'
-    failures a CheckpointException gathered (each a `(exception, stack)` pair, or bare)."""
+    """The OSError of a file-system limit behind `exc` (`causes`)."""
+    found = (c for c in causes(exc) if isinstance(c, OSError) and c.errno in _LIMITS)
+    return next(found, None)
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and what is behind it: its chain, and the ranks' failures a CheckpointException
+    gathered (each a `(exception, stack)` pair, or bare)."""
     todo, seen = [exc], set()
     while todo:
         current = todo.pop()
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _LIMITS:
-            return current
+        yield current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             for failure in failures.values():
@@ -55,7 +61,6 @@ def limit_hit(exc: BaseException) -> OSError | None:
                 if isinstance(failure, BaseException):
                     todo.append(failure)
         todo += [e for e in (current.__cause__, current.__context__) if e is not None]
-    return None
 
 
 @contextlib.contextmanager
@@ -83,41 +88,39 @@ def free_bytes(where: Path) -> int:
     return 2**63
 
 
-def file_writer(path: Path) -> Any:
-    """DCP's own file writer (as `checkpoint_id=path` would pick it), whose failed writes say
-    which file-system limit they hit."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class ExplainedWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            with explained_writes(path):
-                return super().write_data(plan, planner)
-
-        def finish(self, metadata: Any, results: Any) -> None:
-            with explained_writes(path):
-                super().finish(metadata, results)
-
-    return ExplainedWriter(path)
-
-
 @contextlib.contextmanager
-def failing_save(store: Any, step: int, run_dir: Path) -> Iterator[None]:
+def failing_save(store: Any, step: int, run_dir: Path, newest: Any = None) -> Iterator[None]:
     """Around a save, on every rank. A save that fails leaves nothing unpublished behind: every
     rank that sees it fail removes what it wrote (on a full disk, that makes room for the
-    rank's own message), and a file-system limit is re-raised as a RunError that says what
-    to do. `store`: the run's `launcher.checkpoint.store`."""
+    rank's own message), and a file-system limit or a store's failure is re-raised as a
+    RunError that says what to do. `store`: the run's `launcher.checkpoint.store`; `newest`:
+    the newest checkpoint this attempt saved or resumed from, which a bucket gone takes along."""
     try:
         yield
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         where = store.where(step)
-        if not CheckpointFiles(where).is_complete:  # published, then pruning failed: kept
-            store.discard(where)
+        left = _remove_unpublished(store, where)
         limit = limit_hit(exc)
         if limit is not None:
             raise _explained(limit, store, step, run_dir, removed=not where.exists()) from exc
         if not is_remote(where) or isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        raise _upload_failed(exc, store, step, run_dir) from exc
+        if bucket_is_gone(store.catalog.root):
+            raise _bucket_gone(store, step, newest) from exc
+        raise _upload_failed(exc, store, step, run_dir, left) from exc
+
+
+def _remove_unpublished(store: Any, where: Any) -> str | None:
+    """Removes what a failed save wrote, unless it was published (then pruning failed: kept);
+    None when done, else why it could not be (a store that fails every request there)."""
+    try:
+        if not CheckpointFiles(where).is_complete:
+            store.discard(where)
+    except Exception as exc:  # each store's client raises its own types
+        if not is_remote(where):
+            raise
+        return first_cause(exc)
+    return None
 
 
 def first_cause(exc: BaseException) -> str:
@@ -130,19 +133,50 @@ def first_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _upload_failed(exc: BaseException, store: Any, step: int, run_dir: Path) -> RunError:
-    """A save to a store that failed after its client's own retries."""
-    newest = store.catalog.latest()
-    kept = (
-        f"earlier checkpoints are intact (newest: {newest.name})"
-        if newest
-        else "no earlier checkpoint was saved"
+def _upload_failed(
+    exc: BaseException, store: Any, step: int, run_dir: Path, left: str | None
+) -> RunError:
+    """A save to a store that failed after its client's own retries. `left`: why what was
+    written of it could not be removed, if it could not."""
+    try:
+        newest = store.catalog.latest()
+        kept = (
+            f"earlier checkpoints are intact (newest: {newest.name})"
+            if newest
+            else "no earlier checkpoint was saved"
+        )
+    except Exception:  # a listing that fails too: say nothing of the others
+        newest, kept = None, "earlier checkpoints could not be listed"
+    where = store.catalog.checkpoint(step)
+    removed = (
+        "what was written of it was removed"
+        if left is None
+        else f"what was written of it could not be removed ({left}): delete {where} (without "
+        "its COMPLETE marker no resume takes it)"
     )
     then = f"continue with --resume {run_dir}" if newest else "run again"
     return RunError(
-        f"checkpoint {store.catalog.checkpoint(step).name} could not be written to "
-        f"{store.catalog.root} ({first_cause(exc)}); {kept}, and what was written of it was removed",
+        f"checkpoint {where.name} could not be written to {store.catalog.root} "
+        f"({first_cause(exc)}); {kept}, and {removed}",
         hint=f"Check the store, its credentials and checkpoint.storage_options, then {then}.",
+    )
+
+
+def _bucket_gone(store: Any, step: int, newest: Any) -> RunError:
+    """A save into a bucket deleted since the run started: the launcher never creates one
+    (`launcher.checkpoint.bucket`), and what the bucket held went with it."""
+    root = store.catalog.root
+    lost = (
+        f"{newest.name}, the newest checkpoint, may be lost with it"
+        if newest is not None
+        else "no checkpoint of this run was saved yet"
+    )
+    return RunError(
+        f"checkpoint {store.catalog.checkpoint(step).name} could not be written: the bucket "
+        f"{bucket_of(root)} of {root} no longer exists; {lost}",
+        hint="The launcher never creates a bucket (a new one would take the store's default "
+        "region, encryption and policies). Restore the bucket (and its checkpoints, if kept "
+        "elsewhere) and resume, or set checkpoint.dir to a bucket that exists and start anew.",
     )
 
 

@@ -11,6 +11,10 @@ first. A crash at any moment leaves at worst a folder without a marker, which th
 (`launcher.checkpoint.catalog`) never takes and the next attempt clears as it starts. Every rank
 writes its own files straight to the store: nodes need not share a disk.
 
+Either way the marker lists every file of the checkpoint with its checksum
+(`launcher.checkpoint.checksums`), which a resume checks before it loads, and a store never
+creates its bucket (`launcher.checkpoint.bucket`).
+
 Each method is called by the ranks the Checkpointer says; none is collective.
 """
 
@@ -20,17 +24,19 @@ import contextlib
 import io
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.bucket import make_folder
 from launcher.checkpoint.catalog import Catalog
-from launcher.checkpoint.save_failure import explained_writes, file_writer
+from launcher.checkpoint.checksums import entry_of, marker_text
+from launcher.checkpoint.save_failure import explained_writes
 from launcher.checkpoint.shared_storage import check_shared_run_dir
+from launcher.checkpoint.writers import local_writer, store_reader, store_writer
 from launcher.errors import RunError
 from launcher.parallel.base import Strategy
 from launcher.rundir.layout import CheckpointFiles, checkpoint_step, staging_folder
-from launcher.storage_url import is_remote, storage_options
+from launcher.storage_url import is_remote
 
 
 class LocalStore:
@@ -54,8 +60,9 @@ class LocalStore:
         shutil.rmtree(where, ignore_errors=True)
         where.mkdir(parents=True)
 
-    def writer(self, where: Any) -> Any:
-        return file_writer(where)
+    def writer(self, where: Any, own_file: Any, data: bytes) -> Any:
+        """DCP's writer into `where`, which writes this rank's `own_file` (`data`) first."""
+        return local_writer(where).record((own_file, data), self.write_file)
 
     def write_file(self, path: Any, data: bytes) -> None:
         with explained_writes(path), open(path, "wb") as f:
@@ -63,11 +70,11 @@ class LocalStore:
             f.flush()
             os.fsync(f.fileno())
 
-    def publish(self, where: Any, step: int, meta: str) -> Any:
-        """Rank 0, once every rank's files are written: the checkpoint, complete and in place."""
-        files, final = CheckpointFiles(where), self.catalog.checkpoint(step)
-        self.write_file(files.meta, meta.encode())
-        self.write_file(files.marker, b"")
+    def publish(self, where: Any, step: int, meta: str, writer: Any) -> Any:
+        """Rank 0, once every rank's files are written: the checkpoint, complete and in place.
+        `writer`: the save's, which recorded every file it wrote (the marker lists them)."""
+        final = self.catalog.checkpoint(step)
+        _write_meta_and_marker(self, where, meta, writer)
         if final.exists():  # never replace a published checkpoint (the plan prevents this)
             raise RunError(f"{final} already exists; not overwriting it")
         os.replace(where, final)
@@ -94,7 +101,6 @@ class ObjectStore:
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
-        self.options = storage_options(catalog.root)
 
     def where(self, step: int) -> Any:
         return self.catalog.checkpoint(step)  # in place: it counts once its marker is there
@@ -113,32 +119,17 @@ class ObjectStore:
             if checkpoint_step(folder.name) is not None and not files.is_complete:
                 self.discard(folder)
 
-    def writer(self, where: Any) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        class StoreWriter(FsspecWriter):
-            def prepare_local_plan(self, plan: Any) -> Any:
-                # DCP's own makes the folder and looks for a `.metadata` there, two round
-                # trips before a step goes on. An object store has no folders (write_file
-                # makes them where a store has them), and no save finds another's files:
-                # those of an interrupted save were cleared as the attempt started.
-                if getattr(self, "use_collectives", True):
-                    return plan
-                return super().prepare_local_plan(plan)
-
-        # sync_files would fall back to os.sync(), the whole machine's, for a stream with no
-        # file descriptor: an upload is durable once its file is closed.
-        return StoreWriter(str(where), sync_files=False, **self.options)
+    def writer(self, where: Any, own_file: Any, data: bytes) -> Any:
+        return store_writer(where).record((own_file, data), self.write_file)
 
     def write_file(self, path: Any, data: bytes) -> None:
-        # Folders where the store has them (file://, a mount); nothing on S3, which has none.
-        path.fs.makedirs(path.parent.path, exist_ok=True)
+        # Folders where the store has them (file://, a mount), never its bucket: one check
+        # that the bucket is there on S3, which has no folders.
+        make_folder(path.fs, path.parent.path)
         path.write_bytes(data)
 
-    def publish(self, where: Any, step: int, meta: str) -> Any:
-        files = CheckpointFiles(where)
-        self.write_file(files.meta, meta.encode())
-        self.write_file(files.marker, b"")  # last: now it counts
+    def publish(self, where: Any, step: int, meta: str, writer: Any) -> Any:
+        _write_meta_and_marker(self, where, meta, writer)  # the marker last: now it counts
         return where
 
     def remove(self, checkpoint: Any) -> None:
@@ -150,18 +141,13 @@ class ObjectStore:
             where.fs.rm(where.path, recursive=True)
 
 
-def writing_first(writer: Any, write: Callable[[Any, bytes], None], path: Any, data: bytes) -> Any:
-    """DCP's `writer`, which writes `data` to `path` (`write`) as its write starts: in DCP's
-    background thread for an async save, and before DCP gathers every rank's results, which
-    rank 0 waits for before it publishes."""
-    write_data = writer.write_data
-
-    def write_first(plan: Any, planner: Any) -> Any:
-        write(path, data)
-        return write_data(plan, planner)
-
-    writer.write_data = write_first
-    return writer
+def _write_meta_and_marker(store: Any, where: Any, meta: str, writer: Any) -> None:
+    """meta.json, then the COMPLETE marker, which lists every file of the checkpoint with its
+    checksum (`launcher.checkpoint.checksums`)."""
+    files, data = CheckpointFiles(where), meta.encode()
+    store.write_file(files.meta, data)
+    recorded = {**writer.files, files.meta.name: entry_of(data)}
+    store.write_file(files.marker, marker_text(recorded, writer.listed))
 
 
 def store_for(catalog: Catalog) -> LocalStore | ObjectStore:
@@ -170,11 +156,7 @@ def store_for(catalog: Catalog) -> LocalStore | ObjectStore:
 
 def reader(checkpoint: Any) -> Any:
     """DCP's reader for a checkpoint: None (DCP picks its own) for a local folder."""
-    if not is_remote(checkpoint):
-        return None
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(str(checkpoint), **storage_options(checkpoint))
+    return store_reader(checkpoint) if is_remote(checkpoint) else None
 
 
 def torch_bytes(obj: Any) -> bytes:

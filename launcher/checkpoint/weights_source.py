@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from launcher.checkpoint.catalog import checkpoint_in, run_of
+from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.damage import newest_intact
 from launcher.checkpoint.format import damage
 from launcher.checkpoint.safetensors_header import NotSafetensors, shown, tensor_shapes
@@ -77,7 +78,10 @@ def check_weights(path: Path) -> WeightsSource:
             f"{KEY} {path}: safetensors is not installed here", hint="pip install safetensors"
         )
     if source.kind == "checkpoint":
-        problem = damage(source.path)
+        try:
+            problem = damage(source.path)
+        except Unreadable as exc:
+            raise UsageError(f"{KEY} {source.path}: {exc}") from None
         if problem is not None:
             run = run_of(source.path)
             intact = newest_intact(run, excluding=source.path) if run else None

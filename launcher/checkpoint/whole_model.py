@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from launcher.checkpoint.catalog import Best, catalog_of, checkpoint_in, run_of
+from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.format import read_metadata, weights_only_planner
 from launcher.checkpoint.save_failure import first_cause
 from launcher.checkpoint.store import reader
@@ -234,6 +235,7 @@ def read_tensors(
     from torch.distributed.checkpoint.api import CheckpointException
 
     unreadable = (CheckpointException, OSError, EOFError, RuntimeError, pickle.UnpicklingError)
+    unreadable = (*unreadable, Unreadable)  # a store's file that it did not serve whole
     planner = planner or weights_only_planner()
     with warnings.catch_warnings():
         # Said on every load without a process group, which is the point here.

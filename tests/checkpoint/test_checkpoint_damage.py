@@ -1,7 +1,8 @@
 """A damaged checkpoint is refused by the launcher before it creates a folder or starts a worker
 (exit 2, no traceback), naming the damaged file and the newest intact checkpoint; nothing that
-existed is changed. A branch attempt that failed never blocks its retry, and what a pruning cut
-short leaves is removed by the next start."""
+existed is changed; bytes changed in place, of the same size, are found by the checksums a save
+records. A branch attempt that failed never blocks its retry, and what a pruning cut short
+leaves is removed by the next start."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from launcher.checkpoint.checksums import (
+    HashingStream,
+    changed_file,
+    entry_of,
+    marker_text,
+    recorded_files,
+)
 from tests.conftest import metrics_of, run_train, usage_error, write_spec
 from tests.forked_train import train_in_fork
 
@@ -25,6 +33,12 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _flipped(data: bytes) -> bytes:
+    """A few bytes in the middle flipped, the size kept: what only a checksum finds."""
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 8]) + data[middle + 8 :]
+
+
 # The damage done to step 6, and what the message names. Where DCP's metadata is read, the
 # smoke suite checks on every torch.
 DAMAGES = [
@@ -36,6 +50,12 @@ DAMAGES = [
         marks=pytest.mark.smoke,
     ),
     pytest.param(lambda c: _truncate(c / "rank-1.pt"), "rank-1.pt does not load", id="rank-pt"),
+    pytest.param(
+        lambda c: (c / "__0_0.distcp").write_bytes(_flipped((c / "__0_0.distcp").read_bytes())),
+        "__0_0.distcp does not match its checksum",
+        id="flipped-bytes",  # the same size: it loaded, or failed in a rank (issue 52)
+        marks=pytest.mark.smoke,  # the checksums are recorded through DCP's writer's streams
+    ),
     pytest.param(
         lambda c: (c / "meta.json").write_text("{garbage"),
         "meta.json: not valid JSON",
@@ -139,3 +159,60 @@ def test_a_pruning_cut_short_is_finished_by_the_next_start(base: Path, tmp_path:
         "step-00000006",
         "step-00000007",
     ]
+
+
+def test_a_checkpoint_saved_before_checksums_still_resumes(base: Path, tmp_path: Path) -> None:
+    """An empty COMPLETE marker, as every save wrote before checksums (issue 52): nothing to
+    check against, and the checks before them still made."""
+    _copy(base, tmp_path)
+    (tmp_path / STEP_6 / "COMPLETE").write_text("")
+    resume = ["--config", "run.yaml", "--resume", "latest", "train.max_steps=7"]
+    resumed = run_train(resume, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at step 6" in resumed.stdout
+    new = tmp_path / RUN / "checkpoints" / "step-00000007"
+    assert recorded_files(new) is not None  # a new save records them
+
+
+# The record of a checkpoint's files, without a run.
+
+
+def _folder_with_a_record(folder: Path, files: dict[str, bytes]) -> Path:
+    """A checkpoint folder holding `files`, its marker recording them as a save does."""
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    (folder / "COMPLETE").write_bytes(
+        marker_text({name: entry_of(data) for name, data in files.items()}, {})
+    )
+    return folder
+
+
+@pytest.mark.launcher_only
+def test_the_record_finds_flipped_bytes_a_new_size_and_a_missing_file(tmp_path: Path) -> None:
+    shard = bytes(range(256)) * 64
+    files = {"__0_0.distcp": shard, "meta.json": b"{}"}
+    checkpoint = _folder_with_a_record(tmp_path / "c", files)
+    assert changed_file(checkpoint) is None
+    (checkpoint / "__0_0.distcp").write_bytes(_flipped(shard))
+    assert changed_file(checkpoint) == (
+        "__0_0.distcp does not match its checksum: its bytes changed since it was saved"
+    )
+    (checkpoint / "__0_0.distcp").write_bytes(shard[:-1])
+    assert changed_file(checkpoint) == "__0_0.distcp is 16,383 bytes, where 16,384 were saved"
+    (checkpoint / "__0_0.distcp").unlink()
+    assert changed_file(checkpoint) == "__0_0.distcp is missing"
+    (checkpoint / "COMPLETE").write_text("")  # saved before checksums: nothing to check
+    assert changed_file(checkpoint) is None
+    (checkpoint / "COMPLETE").write_text('{"files": {"../x": {"size": 1, "sha256": "0"}}}')
+    assert "names a file outside the checkpoint" in (changed_file(checkpoint) or "")
+
+
+@pytest.mark.launcher_only
+def test_a_stream_is_hashed_as_it_is_written(tmp_path: Path) -> None:
+    with (tmp_path / "f").open("wb") as file:
+        stream = HashingStream(file)
+        for part in (b"abc", memoryview(b"def"), bytearray(b"g" * 100_000)):
+            stream.write(part)
+        assert stream.tell() == 100_006  # the stream's own, as DCP's writer asks it
+    assert stream.entry() == entry_of((tmp_path / "f").read_bytes())

@@ -15,16 +15,15 @@ The last save, at the end of the run, waits for its write in both modes and is l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
+
+from s3_loopback import s3_on_loopback
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = shutil.which("train") or str(Path(sys.executable).parent / "train")
@@ -96,7 +95,7 @@ def main() -> None:
     parser.add_argument("--store", action="store_true", help="also to S3 on loopback (moto)")
     args = parser.parse_args()
     extra = GPU if args.gpu else SMOKE if args.smoke else []
-    with tempfile.TemporaryDirectory() as tmp, _s3(args.store) as env:
+    with tempfile.TemporaryDirectory() as tmp, s3_on_loopback(args.store) as env:
         results = {"sync": run(False, Path(tmp), extra), "async": run(True, Path(tmp), extra)}
         if env:  # the same runs, with the store's right after the disk's
             results |= {"sync-s3": run(False, Path(tmp), extra, env)}
@@ -113,32 +112,6 @@ def main() -> None:
     print(f"\nasync blocks {100 * ratio:.1f}% of the sync time (target: under 10%)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**results, "async_over_sync": ratio}, indent=1))
-
-
-@contextlib.contextmanager
-def _s3(wanted: bool) -> Iterator[dict | None]:
-    """moto's S3 server on loopback with a bucket `bench`, and the environment that reaches
-    it; None where not wanted."""
-    if not wanted:
-        yield None
-        return
-    import logging
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-    env |= {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="bench",
-                 aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="bench")  # fmt: skip
-    try:
-        yield env
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

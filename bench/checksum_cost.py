@@ -16,7 +16,6 @@ copied checkpoint). The launcher saves with checksums always; this measures what
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,8 @@ import torch.distributed.checkpoint as dcp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from s3_loopback import s3_on_loopback  # noqa: E402
 
 from launcher.checkpoint.catalog import Catalog  # noqa: E402
 from launcher.checkpoint.checksums import changed_file, marker_text  # noqa: E402
@@ -126,31 +127,6 @@ def sha256_rate(mb: int = 256) -> float:
     return mb * 2**20 / 1e9 / (time.perf_counter() - started)
 
 
-@contextlib.contextmanager
-def _s3(wanted: bool) -> Iterator[str | None]:
-    """moto's S3 server on loopback, a bucket `bench`, and its credentials in this process's
-    environment; its URL, or None where not wanted."""
-    if not wanted:
-        yield None
-        return
-    import logging
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ |= {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-    os.environ |= {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    boto3.client("s3").create_bucket(Bucket="bench")
-    try:
-        yield "s3://bench/checksums"
-    finally:
-        server.stop()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=512, help="the state's size")
@@ -161,10 +137,11 @@ def main() -> None:
     state = state_of(args.mb)
     gb = sum(t.numel() * 4 for t in state["model"].values()) / 1e9
     results: dict[str, Any] = {"gb": gb, "sha256_gb_per_s": sha256_rate()}
-    with tempfile.TemporaryDirectory() as tmp, _s3(args.store) as url:
+    with tempfile.TemporaryDirectory() as tmp, s3_on_loopback(args.store) as env:
         results["disk"] = disk(state, args.repeats, Path(tmp))
-        if url:
-            results["s3"] = s3(state, args.repeats, url)
+        if env:
+            os.environ.update(env)  # the store is read in this process
+            results["s3"] = s3(state, args.repeats, "s3://bench/checksums")
     print(f"{gb:.2f} GB of tensors; SHA-256 alone: {results['sha256_gb_per_s']:.2f} GB/s\n")
     print("| where | save s | with checksums s | ratio | check before resume s | s per GB |")
     print("|---|---:|---:|---:|---:|---:|")

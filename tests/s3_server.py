@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
@@ -110,6 +111,10 @@ def s3_server() -> Iterator[S3Server]:
     server = S3Server()
     server.start()
     try:
+        # moto keeps its buckets in this process, not in a server: start from none, whatever
+        # another test module's server left.
+        reset = f"{server.env['AWS_ENDPOINT_URL']}/moto-api/reset"
+        urllib.request.urlopen(urllib.request.Request(reset, method="POST"), timeout=30).close()
         server.filesystem().mkdir(BUCKET)
         yield server
     finally:

@@ -65,7 +65,8 @@ test-other-torch:
 # together: DEV_BESIDE runs after the other versions' suites, the rest in test-dev.
 DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_memory_estimate.py \
 	tests/training/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
-	tests/training/test_fault_tolerance.py tests/launch/test_multinode.py \
+	tests/training/test_fault_tolerance.py tests/training/test_fault_tolerance_exposure.py \
+	tests/launch/test_multinode.py \
 	tests/checkpoint/test_object_store.py
 
 test-dev: env

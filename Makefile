@@ -102,6 +102,8 @@ bench: env
 	$(VENV)/bin/python bench/ema_cost.py
 	$(VENV)/bin/python bench/runs_scale.py
 	$(VENV)/bin/python bench/trackers_cost.py
+	$(VENV)/bin/python bench/checksum_cost.py --store
+	$(VENV)/bin/python bench/peer_state_transfer.py
 
 # bench/gpu_bench.py (BENCHMARKS.md): every row tiny on CPU, to see it runs before a GPU session
 # spends device minutes; and the wheels a lent GPU machine lacks, into bench/wheels/.

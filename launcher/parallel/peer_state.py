@@ -48,8 +48,9 @@ class PeerStateServer(CheckpointTransport[dict[str, Any]]):
         self._changed = threading.Condition()
         self._server = _Server((listen, 0), _handler(self))
         self._advertise = advertise
+        # Polled every 0.1 s for a shutdown: a worker's exit waits for it (0.5 s by default).
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="peer-state-server", daemon=True
+            target=self._server.serve_forever, args=(0.1,), name="peer-state-server", daemon=True
         )
         self._thread.start()
 

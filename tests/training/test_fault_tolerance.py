@@ -284,6 +284,7 @@ def test_two_nodes_each_a_group_heal_across_machines(tmp_path: Path) -> None:
     """`--nnodes 2`: each node runs one group under its own agent; node 0 starts the
     Lighthouse at the rendezvous host. Node 1's group is lost and heals from node 0's."""
     from tests.conftest import free_port
+    from tests.launch.test_multinode import finish_nodes
 
     spec = _spec(tmp_path, "ddp", 1)
     ft = yaml.safe_load(spec.read_text())
@@ -298,7 +299,7 @@ def test_two_nodes_each_a_group_heal_across_machines(tmp_path: Path) -> None:
         )
         for rank in (0, 1)
     ]  # fmt: skip
-    results = [finish_train(node, tmp_path, 200) for node in nodes]
+    results = finish_nodes(nodes, tmp_path, 200)
     for result in results:
         assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "t" / "job"  # the nodes share it: the job names it

@@ -98,7 +98,8 @@ def stage_estimates(
 
     import torch
 
-    from launcher.parallel.pipeline import cut, microbatches, split_points
+    from launcher.parallel.pipeline.layout import microbatches, split_points
+    from launcher.parallel.pipeline.traced import cut
 
     hooks, section = recipe.pipeline_hooks(), spec.parallel
     micro = microbatches(section, spec.data.batch_size)
@@ -137,7 +138,7 @@ def stage_estimates(
 def _in_flight(section: Any, stage: int, micro: int) -> int:
     """The micro-batches whose activations `stage` holds at once: under 1F1B, those its
     process starts before its first backward (pp - its pipeline rank); else every one."""
-    from launcher.parallel.pipeline import stage_indices
+    from launcher.parallel.pipeline.layout import stage_indices
 
     if section.pp_schedule != "1F1B":
         return micro

@@ -129,7 +129,7 @@ def pipeline_fits(spec: RunSpec, recipe: Recipe, model: nn.Module | None = None)
     """`parallel.pp`'s stages of the model (built on the meta device where not given): the
     recipe's hooks, the split points and the micro-batches, refused as the workers would
     refuse them; the line that says where the stages begin."""
-    from launcher.parallel.pipeline import check_torch, microbatches, split_points
+    from launcher.parallel.pipeline.layout import check_torch, microbatches, split_points
     from launcher.parallel.sharded_init import build_on_meta
 
     check_torch()

@@ -17,7 +17,7 @@ from torch import nn
 
 from launcher.parallel import rng
 from launcher.parallel.dims import ParallelDims
-from launcher.parallel.pipeline_input import PipelineInput
+from launcher.parallel.pipeline.given import PipelineInput
 from launcher.parallel.weight_init import WeightInit
 from launcher.startup_trace import mark
 

@@ -30,8 +30,9 @@ from launcher.config.spec import FSDPSection
 from launcher.metrics.memory import local_bytes, size_text
 from launcher.parallel.dims import ParallelDims, data_mesh
 from launcher.parallel.grad_norm import pipeline_norm
-from launcher.parallel.pipeline import Pipeline, StageParts, build_pipeline
-from launcher.parallel.pipeline_input import PipelineInput
+from launcher.parallel.pipeline.given import PipelineInput
+from launcher.parallel.pipeline.runner import Pipeline, build_pipeline
+from launcher.parallel.pipeline.stages import StageParts
 from launcher.parallel.precision import dtype_of
 from launcher.parallel.shard_units import shard_units
 from launcher.parallel.sharded_init import MetaBuildFailed, UnsetByInit, build_on_meta, initialize

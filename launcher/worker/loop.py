@@ -18,7 +18,7 @@ from launcher.metrics.sink_types import RunEnd
 from launcher.metrics.sinks import build_sinks
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy
-from launcher.parallel.pipeline_input import PipelineInput
+from launcher.parallel.pipeline.given import PipelineInput
 from launcher.parallel.rng import rank_seed
 from launcher.parallel.weight_init import WeightInit
 from launcher.rundir.layout import RunLayout

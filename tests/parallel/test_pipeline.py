@@ -15,7 +15,7 @@ import torch
 from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 from launcher.parallel.dims import ParallelDims, resolve_dims
-from launcher.parallel.pipeline import MIN_TORCH
+from launcher.parallel.pipeline.layout import MIN_TORCH
 from tests.conftest import metrics_of, usage_error
 from tests.forked_train import train_in_fork
 from tests.parallel.test_dims import (

@@ -22,10 +22,10 @@ from launcher.cli.memory_check import estimate_for, estimate_line
 from launcher.cli.model_checks import (
     meta_limit,
     optimizer_builds,
-    pipeline_fits,
     tensor_parallel_split,
     weights_fit,
 )
+from launcher.cli.pipeline_check import pipeline_fits, stages_run
 from launcher.cli.recipe_check import load_checked
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
@@ -77,6 +77,10 @@ def dry_build(spec: RunSpec, origin: str = "") -> str:
     unchecked = _check_loss(recipe, model, batch) if on_meta else "the model was built on the CPU"
     if unchecked:
         parts.append(f"loss not checked ({unchecked})")
+    elif spec.parallel.pp > 1:
+        stages_unchecked = stages_run(spec, recipe, batch)
+        if stages_unchecked:
+            parts.append(f"parallel.pp stages not run ({stages_unchecked})")
     elif spec.parallel.tp > 1:
         split_unchecked = tensor_parallel_split(model, recipe, spec, batch)
         if split_unchecked:

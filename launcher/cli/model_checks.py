@@ -1,6 +1,6 @@
 """What `train validate` checks against the model as the run builds it, in the `train` process:
 the weights `load.weights` loads into it, the optimizer over its parameter groups, its
-tensor-parallel split, and its pipeline stages (also at every launch of a pipeline). Each
+tensor-parallel split (its pipeline stages: `pipeline_check.py`). Each
 refuses, naming the key, what the run would fail on.
 
 Like `recipe_check.py`, it calls the workers' code in the launcher's process only.
@@ -123,35 +123,3 @@ def meta_limit(exc: Exception) -> str | None:
     op = re.search(r"aten::\w+|torch\.\w+\(\)|Tensor\.\w+\(\)", text)
     found = op.group(0) if op else text.splitlines()[0][:80] if text else type(exc).__name__
     return f"it cannot run on the meta device: {found}"
-
-
-def pipeline_fits(spec: RunSpec, recipe: Recipe, model: nn.Module | None = None) -> str:
-    """`parallel.pp`'s stages of the model (built on the meta device where not given): the
-    recipe's hooks, the split points and the micro-batches, refused as the workers would
-    refuse them; the line that says where the stages begin."""
-    from launcher.parallel.pipeline.layout import check_torch, microbatches, split_points
-    from launcher.parallel.sharded_init import build_on_meta
-
-    check_torch()
-    recipe.pipeline_hooks()
-    section = spec.parallel
-    micro = microbatches(section, spec.data.batch_size)
-    if spec.train.precision == "fp16":
-        raise UsageError(
-            "train.precision: fp16 scales the loss before backward, which a pipeline's "
-            "schedule runs itself (parallel.pp)",
-            hint="Use bf16: it needs no loss scaling.",
-        )
-    if not spec.data.drop_last:
-        raise UsageError(
-            "data.drop_last: false gives a short last batch, but a pipeline's stages take "
-            "micro-batches of one shape (parallel.pp)",
-            hint="Set data.drop_last: true (evaluation still sees every sample).",
-        )
-    if model is None:
-        model = build_on_meta(lambda: recipe.build_model(**spec.recipe.model))
-    points = split_points(model, section, spec.fsdp.wrap)
-    return (
-        f"parallel.pp: {len(points) + 1} stages ({section.pp_schedule}, {micro} micro-batches), "
-        f"beginning at {', '.join(points)}"
-    )

@@ -106,6 +106,6 @@ def check_recipe(spec: RunSpec, sources: dict[str, str]) -> None:
     with children_reaped():  # a process the recipe starts as it is imported ends here
         recipe = load_checked(spec, sources.get("recipe.source", ""))
         if spec.parallel.pp > 1 and spec.launch.strategy == "fsdp":
-            from launcher.cli.model_checks import pipeline_fits
+            from launcher.cli.pipeline_check import pipeline_fits
 
             pipeline_fits(spec, recipe)  # the stages, on the meta device, before any start

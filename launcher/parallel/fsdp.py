@@ -135,12 +135,14 @@ class FSDPStrategy(TorchDistributedStrategy):
             model, given, self.parallel, self.options.wrap, self.dims, self.rank, mesh,
             self.device, self.precision.example_autocast,
         )  # fmt: skip
+        shard_units(model, self.options.wrap)  # fsdp.wrap names classes of the whole model
         for stage in stages.modules:
             if data_mesh(mesh) is None:  # pipeline and tensor parallelism alone: not sharded
                 stage.to(self.device)
+            options = self.options.model_copy(update={"wrap": _present(stage, self.options.wrap)})
             with warnings.catch_warnings():  # a plan's layers that other stages hold
                 warnings.filterwarnings("ignore", message="Parallelize plan key")
-                lay_out(stage, self.dims, mesh, self.options, self.parallelize, self.compile_units)
+                lay_out(stage, self.dims, mesh, options, self.parallelize, self.compile_units)
         self.pipeline = runner
         self.say(runner.describe())
         return StageParts(stages.modules)
@@ -164,8 +166,13 @@ class FSDPStrategy(TorchDistributedStrategy):
     def finish_gradients(self, model: nn.Module, optimizer: Any, max_norm: float | None) -> Any:
         if self.pipeline is None:
             return super().finish_gradients(model, optimizer, max_norm)
+        self.pipeline.tied.sum(model)
+        uncounted = self.pipeline.tied.uncounted(model)  # another process counts them
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        return pipeline_norm(grads, max_norm, self.pipeline.group, self.device)
+        counted = [
+            p.grad for p in model.parameters() if p.grad is not None and id(p) not in uncounted
+        ]
+        return pipeline_norm(grads, max_norm, self.pipeline.group, self.device, counted)
 
     def agree_buffers(self, model: nn.Module) -> None:
         if self.pipeline is None:
@@ -222,6 +229,14 @@ class FSDPStrategy(TorchDistributedStrategy):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+
+def _present(stage: nn.Module, wrap: list[str] | None) -> list[str] | None:
+    """The classes of `fsdp.wrap` that `stage` holds: the list names the whole model's."""
+    if wrap is None:
+        return None
+    held = {type(m).__name__ for m in stage.modules()}
+    return [name for name in wrap if name in held]
 
 
 def shards_the_model(options: FSDPSection, world_size: int) -> bool:

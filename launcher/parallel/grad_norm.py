@@ -66,16 +66,22 @@ def _squares(shards: list[torch.Tensor], mesh: Any, axes: tuple[int, ...]) -> to
 
 
 def pipeline_norm(
-    grads: list[torch.Tensor], max_norm: float | None, group: Any, device: torch.device
+    grads: list[torch.Tensor],
+    max_norm: float | None,
+    group: Any,
+    device: torch.device,
+    counted: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The global norm of a pipeline's gradients, clipping them to `max_norm` when set: each
     process holds its stages' (sharded or whole), whose squares add up over the pipeline's
-    `group` (the stages hold different parameters)."""
+    `group` (the stages hold different parameters). `counted`: the gradients this process
+    counts, where another process counts some of `grads` (a tied weight's); else all."""
     from torch.distributed.tensor import DTensor
 
-    local = sharded_norm(grads, None)  # over the stage's data and tensor-parallel axes
+    counted = grads if counted is None else counted
+    local = sharded_norm(counted, None)  # over the stage's data and tensor-parallel axes
     if local is None:
-        plain = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+        plain = [g.full_tensor() if isinstance(g, DTensor) else g for g in counted]
         local = torch.nn.utils.get_total_norm(plain) if plain else torch.zeros((), device=device)
     squares = local.to(device, torch.float32).square()
     dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)

@@ -66,7 +66,8 @@ def _skip_tied_targets(model: torch.nn.Module) -> None:
 
 def no_split_classes(model: torch.nn.Module) -> set[str]:
     """The block classes a Hugging Face model says must not be split across devices
-    (`_no_split_modules`, e.g. `GPT2Block`); empty for other models."""
-    if not is_hf_model(model):
+    (`_no_split_modules`, e.g. `GPT2Block`), as do its pipeline stages; empty for other
+    models."""
+    if not is_hf_model(model) and not getattr(model, "stage_of_hf_model", False):
         return set()
     return set(getattr(model, "_no_split_modules", None) or ())

@@ -146,7 +146,7 @@ class Trainer:
         )
         return PipelineInput(
             hooks.split, hooks.loss_from_output, example, spec.data.batch_size,
-            spec.train.grad_accum_steps,
+            spec.train.grad_accum_steps, self.recipe.source,
         )  # fmt: skip
 
     def _build_optimizer(self) -> None:

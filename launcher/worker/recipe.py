@@ -58,15 +58,24 @@ PIPELINE_HOOKS = ("split_batch", "loss_from_output")
 @dataclass(frozen=True)
 class PipelineHooks:
     """What a pipeline needs of a recipe: a batch's model inputs and targets, and the loss of
-    the last stage's output."""
+    the last stage's output; None where the recipe has no such hook (the launcher supplies a
+    Hugging Face causal LM's: `launcher.parallel.pipeline.causal_lm`)."""
 
-    split_batch: Callable[[Any], tuple[Any, Any]]
-    loss_from_output: Callable[[Any, Any], torch.Tensor]
+    split_batch: Callable[[Any], tuple[Any, Any]] | None
+    loss_from_output: Callable[[Any, Any], torch.Tensor] | None
 
-    def split(self, batch: Any) -> tuple[tuple[Any, ...], Any]:
-        """(inputs as a tuple of positional arguments, targets)."""
-        inputs, targets = call_user("recipe: split_batch(batch)", self.split_batch, batch)
-        return (inputs if isinstance(inputs, tuple) else (inputs,)), targets
+    @property
+    def split(self) -> Callable[[Any], tuple[tuple[Any, ...], Any]] | None:
+        """(inputs as a tuple of positional arguments, targets), of a batch."""
+        hook = self.split_batch
+        if hook is None:
+            return None
+
+        def split(batch: Any) -> tuple[tuple[Any, ...], Any]:
+            inputs, targets = call_user("recipe: split_batch(batch)", hook, batch)
+            return (inputs if isinstance(inputs, tuple) else (inputs,)), targets
+
+        return split
 
 
 @dataclass(frozen=True)
@@ -142,20 +151,11 @@ class Recipe:
         return hook if callable(hook) else None
 
     def pipeline_hooks(self) -> PipelineHooks:
-        """The recipe's `split_batch` and `loss_from_output`, which `parallel.pp` needs; a
-        UsageError naming those it lacks."""
+        """The recipe's `split_batch` and `loss_from_output`, which `parallel.pp` needs (None
+        for each it does not define)."""
         hooks = {name: getattr(self.module, name, None) for name in PIPELINE_HOOKS}
-        missing = [name for name, hook in hooks.items() if not callable(hook)]
-        if missing:
-            raise UsageError(
-                f"parallel.pp: {self.source} defines no {' and no '.join(missing)}: a pipeline "
-                "computes the loss on the last stage's output, so the recipe says what of a "
-                "batch goes into the model and what the loss compares its output with",
-                hint="Define split_batch(batch) -> (inputs, targets) and "
-                "loss_from_output(output, targets) -> loss (docs/recipes.md#pipeline-"
-                "parallelism), or set parallel.pp: 1.",
-            )
-        return PipelineHooks(hooks["split_batch"], hooks["loss_from_output"])  # type: ignore[arg-type]
+        given = {name: hook if callable(hook) else None for name, hook in hooks.items()}
+        return PipelineHooks(given["split_batch"], given["loss_from_output"])
 
     def collate_hook(self) -> Callable[..., Any] | None:
         """The recipe's optional `collate(samples)` or `collate(samples, split)`, which makes a

@@ -11,6 +11,8 @@ from torch import nn
 
 from launcher.config.parallel import ParallelSection
 from launcher.parallel.dims import ParallelDims
+from launcher.parallel.pipeline.causal_lm import complete_hooks
+from launcher.parallel.pipeline.cut import cut_model
 from launcher.parallel.pipeline.given import PipelineInput
 from launcher.parallel.pipeline.layout import (
     SCHEDULES,
@@ -20,7 +22,7 @@ from launcher.parallel.pipeline.layout import (
     stage_indices,
 )
 from launcher.parallel.pipeline.stages import StageModules
-from launcher.parallel.pipeline.traced import cut
+from launcher.parallel.pipeline.tied import TiedGradients, tie_groups
 
 
 class Pipeline:
@@ -33,10 +35,12 @@ class Pipeline:
         given: PipelineInput,
         groups: tuple[Any, Any],  # this rank's pipeline group, and its stage's group
         device: torch.device,
+        tied: TiedGradients | None = None,
     ) -> None:
         from torch.distributed import pipelining
 
         self.given, self.device, self.section = given, device, section
+        self.tied = tied or TiedGradients({}, set())
         (self.group, self.stage_group), self.stages = groups, stages
         self.first, self.last = 0 in stages.indices, stages.count - 1 in stages.indices
         pipeline_stages = [
@@ -51,8 +55,11 @@ class Pipeline:
         ]  # fmt: skip
         accum = given.accum
 
+        loss_from_output = given.loss_from_output
+        assert loss_from_output is not None  # completed by build_pipeline
+
         def loss(output: Any, targets: Any) -> torch.Tensor:
-            value = given.loss_from_output(output, targets)
+            value = loss_from_output(output, targets)
             return value / accum if accum > 1 else value
 
         self.micro = microbatches(section, given.batch_size)
@@ -75,10 +82,14 @@ class Pipeline:
 
     def step(self, batch: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch; the batch's mean loss, on every rank."""
-        inputs, targets = self.given.split(batch)
+        args, by_name, targets = self._split(batch)
         losses: list[torch.Tensor] = []
-        args = inputs if self.first else ()
-        self.schedule.step(*args, target=targets if self.last else None, losses=losses)
+        self.schedule.step(
+            *(args if self.first else ()),
+            target=targets if self.last else None,
+            losses=losses,
+            **by_name,  # every stage takes these (an attention mask), micro-batch by micro-batch
+        )
         scale = self.given.accum
         return self._said(losses, scale)
 
@@ -86,7 +97,7 @@ class Pipeline:
         """The batch's loss through every stage's forward, stage after stage on the whole
         batch (no micro-batches: any batch size, a short last one too, and the loss of the
         whole batch, as an unpipelined evaluation computes it); on every rank."""
-        inputs, targets = self.given.split(batch)
+        inputs, by_name, targets = self._split(batch)
         rows = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
         held = dict(zip(self.stages.indices, range(len(self.stages.indices)), strict=True))
         carried: tuple[Any, ...] = inputs
@@ -97,16 +108,23 @@ class Pipeline:
             at = held[stage]
             if stage > 0 and stage - 1 not in held:  # from the rank of the stage before
                 carried = self._receive(self.stages.examples[at][0], rows, stage - 1)
-            outputs = self.stages.modules[at](*carried)
+            outputs = self.stages.modules[at](*carried, **by_name)
             carried = outputs if isinstance(outputs, tuple) else (outputs,)
             if stage == self.stages.count - 1:
                 output = carried[0] if len(carried) == 1 else carried
-                loss = self.given.loss_from_output(output, targets).detach().float()
+                loss = loss_from_output_of(self.given)(output, targets).detach().float()
             elif stage + 1 not in held:  # to the rank of the stage after
                 for tensor in carried:
                     dist.send(tensor.contiguous(), dst=self._global(stage + 1), group=self.group)
         dist.broadcast(loss, src=self.loss_source, group=self.group)
         return loss
+
+    def _split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """A batch's first-stage inputs, what every stage takes by name, and its targets."""
+        assert self.given.split is not None  # completed by build_pipeline
+        inputs, targets = self.given.split(batch)
+        args, by_name = self.stages.route(inputs)
+        return args, by_name, targets
 
     def _receive(self, like: tuple[torch.Tensor, ...], rows: int, stage: int) -> tuple[Any, ...]:
         """A stage's outputs, sent by the rank that holds it; shaped as `like` (the example
@@ -157,21 +175,26 @@ def build_pipeline(
     autocast: Callable[[], Any],
 ) -> tuple[Pipeline, StageModules]:
     """This rank's stages of `model` (whole, on CPU) and the schedule that runs them.
-    Collective: every process calls it (it makes each stage's process group)."""
+    Collective: every process calls it (it makes each stage's process group, and the groups
+    that sum tied weights' gradients)."""
     check_torch()
+    given = complete_hooks(given, model)
     points = split_points(model, section, wrap)
-    micro = microbatches(section, given.batch_size)
-    inputs, _ = given.split(given.example)
-    example = tuple(_first_rows(value, given.batch_size // micro) for value in inputs)
+    rows = given.batch_size // microbatches(section, given.batch_size)
     indices = stage_indices(dims.pp_rank(rank), dims.pp, section.pp_schedule)
-    stages = cut(model, points, example, indices, autocast)
-    stages.points = points
+    stages = cut_model(model, points, given, rows, indices, autocast)
     world = dims.world
     stage_groups = [
         dist.new_group([r for r in range(world) if dims.pp_rank(r) == i]) for i in range(dims.pp)
     ]
     groups = (mesh["pp"].get_group(), stage_groups[dims.pp_rank(rank)])
-    return Pipeline(stages, section, given, groups, device), stages
+    tied = tie_groups(stages.shared, dims, rank, section.pp_schedule)
+    return Pipeline(stages, section, given, groups, device, tied), stages
+
+
+def loss_from_output_of(given: PipelineInput) -> Callable[[Any, Any], Any]:
+    assert given.loss_from_output is not None  # completed by build_pipeline
+    return given.loss_from_output
 
 
 def _on(
@@ -183,7 +206,3 @@ def _on(
         torch.empty_like(t, device=device).requires_grad_(grad and t.is_floating_point())
         for t in tensors
     )
-
-
-def _first_rows(value: Any, rows: int) -> Any:
-    return value[:rows] if isinstance(value, torch.Tensor) else value

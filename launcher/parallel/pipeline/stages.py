@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,15 @@ class StageModules:
         default_factory=list
     )
     points: list[str] = field(default_factory=list)  # the split points: stage i + 1 begins at i
+    # A batch's model inputs as (the first stage's positional inputs, what every stage takes
+    # by name): the tracer's stages take positional inputs alone.
+    route: Callable[[tuple[Any, ...]], tuple[tuple[Any, ...], dict[str, Any]]] = lambda inputs: (
+        inputs,
+        {},
+    )
+    # Parameters that stages of other processes hold too (a tied embedding), by name: the
+    # stages that hold each (`launcher.parallel.pipeline.tied`).
+    shared: dict[str, list[int]] = field(default_factory=dict)
 
     def starts_of(self, index: int) -> str:
         return "the model's start" if index == 0 else self.points[index - 1]
@@ -59,3 +69,35 @@ def _merge(into: nn.Module, module: nn.Module) -> None:
             _merge(merged, present)
             into._modules[name] = present = merged
         _merge(present, child)
+
+
+def example_activations(
+    stages: list[nn.Module],
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    autocast: Callable[[], Any],
+) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """Each stage's inputs and outputs on the example micro-batch (the first stage's inputs,
+    and what every stage takes by name), run stage after stage on CPU: the shapes and dtypes
+    each stage sends and receives, given to torch's stages up front (its inference of them at
+    the first step runs `autograd.grad`, which fsdp's gradient hooks do not support)."""
+    out: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    inputs, by_name = example
+    with torch.no_grad(), autocast():
+        for stage in stages:
+            outputs = stage(*inputs, **by_name)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            out.append((inputs, outputs))
+            inputs = outputs
+    return out
+
+
+def shared_parameters(stages: list[nn.Module]) -> dict[str, list[int]]:
+    """The parameters that several of `stages` (every stage of the model) hold, by the name
+    the first of them gives it, with the stages that hold it."""
+    holders: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            holders.setdefault(id(param), []).append(index)
+            names.setdefault(id(param), name)
+    return {names[key]: held for key, held in holders.items() if len(held) > 1}

@@ -1,0 +1,65 @@
+"""A Hugging Face causal language model of a stock family (Llama, Qwen2, Qwen3, GPT-2), built
+from a small config (no download), learning to count. No pipeline hooks: under
+`parallel.pp` the launcher cuts the model by its own plan and supplies the causal LM's
+`split_batch` and `loss_from_output` (docs/fsdp-and-parallelism.md, 'Pipeline parallelism').
+
+    recipe: {source: recipes/hf_causal_lm.py, model: {family: qwen3, layers: 4}}
+    launch: {strategy: fsdp}
+    parallel: {pp: 2}
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from hf_gpt2 import Counting  # a sibling: the launcher puts the recipe's folder on sys.path
+
+# Each family's names for the same small shape.
+FAMILIES = {
+    "llama": {"model_type": "llama"},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "gpt2": {"model_type": "gpt2"},
+}
+
+
+def build_model(
+    family: str = "llama",
+    vocab_size: int = 64,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tie_word_embeddings: bool | None = None,
+) -> PreTrainedModel:
+    """The family's model at this size; `tie_word_embeddings`: None keeps the family's
+    default (GPT-2 ties its head to its input embedding; Llama and Qwen do not)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
+    extra = dict(FAMILIES[family])
+    model_type = extra.pop("model_type")
+    if model_type == "gpt2":
+        shape = dict(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=128,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0)  # fmt: skip
+    else:
+        shape = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+                     pad_token_id=None)  # fmt: skip
+    if tie_word_embeddings is not None:
+        shape["tie_word_embeddings"] = tie_word_embeddings
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **shape, **extra)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_dataset(
+    split: str, n_samples: int = 1024, seq_len: int = 32, vocab_size: int = 64
+) -> Counting:
+    return Counting(n_samples, seq_len, vocab_size, seed=0 if split == "train" else 1)
+
+
+def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's own next-token cross entropy."""
+    return model(**batch).loss

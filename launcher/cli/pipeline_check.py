@@ -155,10 +155,11 @@ def _forward_backward(
 def _stage_failed(stage: str, exc: Exception) -> UsageError:
     text = str(exc).strip()
     said = text.splitlines()[0][:200] if text else type(exc).__name__
+    said = said.replace("FakeTensor", "Tensor")  # the run's real tensors would say the same
     return UsageError(
         f"parallel.pp: {stage} fails on one micro-batch: {said} ({_where(exc)})",
         hint="train validate cut the model as the run does and ran each stage's forward and "
-        "backward on the meta device; docs/fsdp-and-parallelism.md, 'Pipeline parallelism' "
+        "backward on fake tensors; docs/fsdp-and-parallelism.md, 'Pipeline parallelism' "
         "says which models the launcher cuts.",
     )
 

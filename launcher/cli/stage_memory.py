@@ -31,10 +31,14 @@ def device_estimates(
     make_optimizer: Callable[[Any], Any],
 ) -> list[MemoryEstimate]:
     """The memory of each pipeline rank's devices: the sum of its stages'."""
+    return per_device(stage_estimates(spec, recipe, batch, layout, make_optimizer), spec.parallel)
+
+
+def per_device(stages: list[MemoryEstimate], section: Any) -> list[MemoryEstimate]:
+    """Each pipeline rank's stages' estimates summed, in the order of the ranks."""
     from launcher.parallel.pipeline.layout import stage_indices
 
-    stages = stage_estimates(spec, recipe, batch, layout, make_optimizer)
-    section, out = spec.parallel, []
+    out = []
     for rank in range(section.pp):
         held = stage_indices(rank, section.pp, section.pp_schedule)
         parts = [stages[i] for i in held]

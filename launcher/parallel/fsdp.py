@@ -144,7 +144,8 @@ class FSDPStrategy(TorchDistributedStrategy):
                 warnings.filterwarnings("ignore", message="Parallelize plan key")
                 lay_out(stage, self.dims, mesh, options, self.parallelize, self.compile_units)
         self.pipeline = runner
-        self.say(runner.describe())
+        if self.rank % (self.dims.world // self.dims.pp) == 0:  # the first process of a stage
+            print(runner.describe(), flush=True)
         return StageParts(stages.modules)
 
     def forward_backward(

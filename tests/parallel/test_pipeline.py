@@ -158,11 +158,14 @@ def test_validate_says_where_the_stages_begin_and_the_memory_of_each(tmp_path: P
     spec = spec_file(tmp_path / "run.yaml", 4, "fsdp", parallel=PIPELINE)
     result = train_in_fork(["validate", "--config", str(spec)], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "parallel.pp: 2 stages (1F1B, 2 micro-batches), beginning at blocks.1" in result.stdout
+    assert (
+        "parallel.pp: 2 stages (1F1B, 2 micro-batches, cut by torch's tracer), beginning at "
+        "blocks.1" in result.stdout
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("memory per device")]
     assert [line.split("micro-batch of 2, ")[1].split(")")[0] for line in lines] == [
-        "stage 0 of 2",
-        "stage 1 of 2",
+        "pp rank 0: stage 0 of 2",
+        "pp rank 1: stage 1 of 2",
     ], result.stdout
 
 

@@ -43,6 +43,7 @@ def cut_model(
         )
         stages = cut_by_plan(model, plan, points, micro if run else None, indices, autocast)
     stages.points = points
+    stages.total_params = sum(p.numel() for p in model.parameters())
     return stages
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Mapping
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -33,7 +34,15 @@ from launcher.parallel.pipeline.stages import StageModules, example_activations,
 
 
 class _Skipped(nn.Module):
-    """A module another stage runs: its first input passes through."""
+    """A module another stage runs: its first input passes through. It keeps the plain
+    attributes of the module it stands for (a block's `attention_type`, `layer_idx`), which
+    some models read as they loop over their blocks."""
+
+    def __init__(self, like: nn.Module) -> None:
+        super().__init__()
+        for key, value in vars(like).items():
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
+                vars(self).setdefault(key, value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return args[0] if args else next(iter(kwargs.values()))
@@ -57,6 +66,9 @@ class _AbsentEmbedding(nn.Module):
         like = self.received.tensor
         assert like is not None  # set by the stage around each call
         return like.new_zeros((*ids.shape, self.dim))
+
+
+_STAND_INS = (_Skipped, _AbsentEmbedding)
 
 
 class HFStage(nn.Module):
@@ -90,7 +102,7 @@ class HFStage(nn.Module):
         # What the launcher reads of a Hugging Face model (its config, its tp plan, its blocks'
         # classes) reads the same of its stages.
         self.config = getattr(model, "config", None)
-        self.tp_plan = getattr(model, "tp_plan", None)
+        self.tp_plan = _held_plan(getattr(model, "tp_plan", None), view)
         self._no_split_modules = getattr(model, "_no_split_modules", None)
         self._tied_weights_keys = getattr(model, "_tied_weights_keys", None)
 
@@ -123,6 +135,15 @@ class HFStage(nn.Module):
         return output.logits if hasattr(output, "logits") else _first_tensor(output)
 
 
+def _held_plan(plan: dict[str, Any] | None, view: nn.Module) -> dict[str, Any] | None:
+    """The entries of the model's tensor-parallel plan that name modules this stage runs:
+    torch's styles refuse a stand-in (`lm_head` on the first stage)."""
+    if not plan:
+        return plan
+    held = [name for name, m in view.named_modules() if not isinstance(m, _STAND_INS)]
+    return {key: style for key, style in plan.items() if any(fnmatch(n, key) for n in held)}
+
+
 def _replacing_input(hidden: torch.Tensor) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
@@ -144,7 +165,9 @@ def _stand_ins(
 ) -> dict[str, nn.Module]:
     """What replaces the modules of other stages in this stage's view, by name."""
     out: dict[str, nn.Module] = {
-        name: _Skipped() for i, name in enumerate(plan.layer_names(model)) if i not in owned
+        name: _Skipped(model.get_submodule(name))
+        for i, name in enumerate(plan.layer_names(model))
+        if i not in owned
     }
     if not first:
         for name in plan.first:
@@ -152,9 +175,9 @@ def _stand_ins(
                 continue  # held by the last stage too: its weight is the head's
             module = model.get_submodule(name)
             dim = getattr(module, "embedding_dim", None)
-            out[name] = _AbsentEmbedding(dim, received) if dim is not None else _Skipped()
+            out[name] = _AbsentEmbedding(dim, received) if dim is not None else _Skipped(module)
     if not last:
-        out.update({name: _Skipped() for name in plan.last})
+        out.update({name: _Skipped(model.get_submodule(name)) for name in plan.last})
     return out
 
 

@@ -72,12 +72,15 @@ class Pipeline:
         self.loss_source = self._global(stages.count - 1)  # says the loss to the others
 
     def describe(self) -> str:
-        held = " and ".join(str(i) for i in self.stages.indices)
+        """The start-up line of this process's stages: where they begin, and how much of the
+        model they hold."""
+        indices = self.stages.indices
+        held = " and ".join(f"{i} (from {self.stages.starts_of(i)})" for i in indices)
         return (
             f"pipeline: {self.stages.count} stages over pp {self.group.size()} "
-            f"({self.section.pp_schedule}, {self.micro} micro-batches a step); stage "
-            f"{self.stages.indices[0] if len(self.stages.indices) == 1 else held} on rank "
-            f"{dist.get_rank()} begins at {self.stages.starts_of(self.stages.indices[0])}"
+            f"({self.section.pp_schedule}, {self.micro} micro-batches a step); "
+            f"stage{'s' if len(indices) > 1 else ''} {held} hold{'' if len(indices) > 1 else 's'} "
+            f"{self.stages.held_params:,} of the model's {self.stages.total_params:,} parameters"
         )
 
     def step(self, batch: Any) -> torch.Tensor:

@@ -31,6 +31,13 @@ class StageModules:
     # Parameters that stages of other processes hold too (a tied embedding), by name: the
     # stages that hold each (`launcher.parallel.pipeline.tied`).
     shared: dict[str, list[int]] = field(default_factory=dict)
+    total_params: int = 0  # the whole model's parameters, for the start-up line
+
+    @property
+    def held_params(self) -> int:
+        """The parameters of this process's stages (a tied weight once)."""
+        seen = {id(p): p.numel() for stage in self.modules for p in stage.parameters()}
+        return sum(seen.values())
 
     def starts_of(self, index: int) -> str:
         return "the model's start" if index == 0 else self.points[index - 1]

@@ -229,6 +229,7 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "parallel/test_dims.py": (both, "GPT and Llama split by tensor parallelism"),
         "parallel/test_fsdp.py": (every, "a model whose init the meta device loses"),
         "parallel/test_fsdp_init.py": (every, "a CNN on images, inits fsdp must repeat"),
+        "parallel/test_pipeline_hf.py": (every, "a T5 the pipeline refuses; a hook that fails"),
         "training/test_collate.py": ("build_dataset loss", "the varlen recipe's batches"),
         "training/test_flops.py": (both, "a build and a loss that count their calls"),
         "training/test_fault_tolerance.py": ("loss", "a loss that kills its replica group"),

@@ -30,6 +30,7 @@ def pipeline_fits(spec: RunSpec, recipe: Recipe, model: nn.Module | None = None)
     refuse them; the line that says where the stages begin."""
     from launcher.parallel.pipeline.hf_plan import hf_plan
     from launcher.parallel.pipeline.layout import check_torch, microbatches, split_points
+    from launcher.parallel.pipeline.tied import check_schedule
     from launcher.parallel.sharded_init import build_on_meta
 
     check_torch()
@@ -51,6 +52,8 @@ def pipeline_fits(spec: RunSpec, recipe: Recipe, model: nn.Module | None = None)
         model = build_on_meta(lambda: recipe.build_model(**spec.recipe.model))
     hooks_for(spec, recipe, model)
     plan = hf_plan(model)  # an encoder-decoder is refused here
+    if plan is not None:
+        check_schedule(plan.tied_to_last, section.pp_schedule, type(model).__name__)
     points = split_points(model, section, spec.fsdp.wrap)
     cut_by = f"cut by {plan.source}" if plan is not None else "cut by torch's tracer"
     return (
@@ -112,7 +115,9 @@ def _stage_runs(
     points = split_points(model, spec.parallel, spec.fsdp.wrap)
     rows = spec.data.batch_size // microbatches(spec.parallel, spec.data.batch_size)
     indices = list(range(len(points) + 1))
-    stages = cut_model(model, points, given, rows, indices, contextlib.nullcontext)
+    stages = cut_model(
+        model, points, given, rows, indices, contextlib.nullcontext, spec.parallel.pp_schedule
+    )
     inputs, targets = given.split(given.example)
     by_name = {key: first_rows(v, rows) for key, v in stages.route(inputs)[1].items()}
     targets = first_rows(targets, rows)

@@ -80,7 +80,10 @@ def stage_estimates(
         model = build_on_meta(lambda: recipe.build_model(**spec.recipe.model))
         given = hooks_for(spec, recipe, model, batch)
         points = split_points(model, section, spec.fsdp.wrap)
-        cut = cut_model(model, points, given, rows, [index], contextlib.nullcontext, run=False)
+        cut = cut_model(
+            model, points, given, rows, [index], contextlib.nullcontext, section.pp_schedule,
+            run=False,
+        )  # fmt: skip
         return _on_fake_cpu(cut.modules[0])
 
     taken = _stage_inputs(spec, recipe, batch, rows)
@@ -136,7 +139,10 @@ def _stage_inputs(spec: RunSpec, recipe: Recipe, batch: Any, rows: int) -> _Stag
         moved = map_tensors(batch, fake.from_tensor if fake else lambda t: t.to("meta"))
         given = hooks_for(spec, recipe, model, moved)
         indices = list(range(len(points) + 1))
-        every = cut_model(model, points, given, rows, indices, contextlib.nullcontext)
+        every = cut_model(
+            model, points, given, rows, indices, contextlib.nullcontext,
+            spec.parallel.pp_schedule,
+        )  # fmt: skip
         inputs, targets = given.split(moved)
         by_name = {k: first_rows(v, rows) for k, v in every.route(inputs)[1].items()}
         targets = first_rows(targets, rows)

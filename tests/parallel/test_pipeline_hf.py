@@ -228,22 +228,26 @@ def loss_from_output(output, labels):
 
 
 @pytest.mark.parametrize(
-    ("source", "expected"),
+    ("source", "overrides", "expected"),
     [
-        (WRONG_HOOK, ["parallel.pp: stage 1 (from model.layers.2) fails on one micro-batch",
-                      "'Tensor' object has no attribute 'logits'", "in loss_from_output"]),
-        (T5, ["parallel.pp: T5ForConditionalGeneration is an encoder-decoder model",
-              "parallel.pp: 1"]),
+        (WRONG_HOOK, [], ["parallel.pp: stage 1 (from model.layers.2) fails on one micro-batch",
+                          "'Tensor' object has no attribute 'logits'", "in loss_from_output"]),
+        (T5, [], ["parallel.pp: T5ForConditionalGeneration is an encoder-decoder model",
+                  "parallel.pp: 1"]),
+        (None, ["recipe.model.family=gpt2", "parallel.pp_schedule=ZBVZeroBubble",
+                "parallel.dp_shard=1", "parallel.dp_replicate=2"],
+         ["ZBVZeroBubble cannot keep GPT2LMHeadModel's head tied", "tie_word_embeddings=False"]),
     ],
-    ids=["a-hook-that-fails-on-the-last-stage", "encoder-decoder"],
+    ids=["a-hook-that-fails-on-the-last-stage", "encoder-decoder", "zero-bubble-of-a-tied-head"],
 )  # fmt: skip
 def test_validate_refuses_a_cut_that_would_fail_naming_the_cause(
-    tmp_path: Path, source: str, expected: list[str]
+    tmp_path: Path, source: str | None, overrides: list[str], expected: list[str]
 ) -> None:
-    (tmp_path / "model.py").write_text(source)
     spec = hf_spec(tmp_path, "run", 4, "fsdp", "llama", parallel={"pp": 2})
-    result = train_in_fork(["validate", "--config", str(spec), "recipe.source=model.py",
-                            "recipe.model={}", "recipe.dataset={}"], tmp_path)  # fmt: skip
+    if source is not None:
+        (tmp_path / "model.py").write_text(source)
+        overrides = ["recipe.source=model.py", "recipe.model={}", "recipe.dataset={}"]
+    result = train_in_fork(["validate", "--config", str(spec), *overrides], tmp_path)
     usage_error(result, *expected)
 
 

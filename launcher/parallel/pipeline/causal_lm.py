@@ -85,9 +85,10 @@ def model_loss(model: nn.Module) -> Callable[[Any, Any], Any]:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
-    loss_function = model.loss_function
 
     def loss_from_output(logits: Any, labels: Any) -> Any:
-        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
+        # Looked up at the call, as the model's forward looks it up (transformers says which
+        # loss it falls back to the first time, in the process that computes it).
+        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     return loss_from_output

@@ -13,6 +13,7 @@ from launcher.parallel.pipeline.given import PipelineInput
 from launcher.parallel.pipeline.hf_plan import hf_plan
 from launcher.parallel.pipeline.hf_stages import cut_by_plan, router
 from launcher.parallel.pipeline.stages import StageModules
+from launcher.parallel.pipeline.tied import check_schedule
 from launcher.parallel.pipeline.traced import cut
 
 
@@ -23,6 +24,7 @@ def cut_model(
     rows: int,
     indices: list[int],
     autocast: Callable[[], Any],
+    schedule: str,
     run: bool = True,
 ) -> StageModules:
     """The stages in `indices` of `model` (whole), beginning at `points`, with example
@@ -41,6 +43,7 @@ def cut_model(
             tuple(first_rows(value, rows) for value in args),
             {key: first_rows(value, rows) for key, value in by_name.items()},
         )
+        check_schedule(plan.tied_to_last, schedule, type(model).__name__)
         stages = cut_by_plan(model, plan, points, micro if run else None, indices, autocast)
     stages.points = points
     stages.total_params = sum(p.numel() for p in model.parameters())

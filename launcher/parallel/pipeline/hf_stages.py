@@ -171,11 +171,15 @@ def _stand_ins(
     }
     if not first:
         for name in plan.first:
-            if last and name in plan.tied_to_last:
-                continue  # held by the last stage too: its weight is the head's
             module = model.get_submodule(name)
             dim = getattr(module, "embedding_dim", None)
-            out[name] = _AbsentEmbedding(dim, received) if dim is not None else _Skipped(module)
+            stand_in = _AbsentEmbedding(dim, received) if dim is not None else _Skipped(module)
+            if last and name in plan.tied_to_last:
+                # Held, not run: the head's weight under the embedding's name, so that the
+                # two stages name the tied weight alike.
+                for key, param in module.named_parameters(recurse=False):
+                    stand_in.register_parameter(key, param)
+            out[name] = stand_in
     if not last:
         out.update({name: _Skipped(model.get_submodule(name)) for name in plan.last})
     return out

@@ -185,7 +185,7 @@ def build_pipeline(
     points = split_points(model, section, wrap)
     rows = given.batch_size // microbatches(section, given.batch_size)
     indices = stage_indices(dims.pp_rank(rank), dims.pp, section.pp_schedule)
-    stages = cut_model(model, points, given, rows, indices, autocast)
+    stages = cut_model(model, points, given, rows, indices, autocast, section.pp_schedule)
     world = dims.world
     stage_groups = [
         dist.new_group([r for r in range(world) if dims.pp_rank(r) == i]) for i in range(dims.pp)

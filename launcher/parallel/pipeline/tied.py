@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher.errors import UsageError
 from launcher.parallel.dims import ParallelDims
-from launcher.parallel.pipeline.layout import stage_indices
+from launcher.parallel.pipeline.layout import DOCS, stage_indices
 
 
 @dataclass
@@ -32,9 +33,10 @@ class TiedGradients:
         """Each tied gradient summed over its holders (in place)."""
         params = dict(model.named_parameters())
         for name, group in self.groups.items():
-            grad = params[name].grad
-            if grad is not None:
-                dist.all_reduce(_local(grad), op=dist.ReduceOp.SUM, group=group)
+            param = params[name]
+            if param.grad is None:  # no part here this step: the holders' sum is the others'
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=group)
 
     def uncounted(self, model: nn.Module) -> set[int]:
         """The ids of the parameters whose gradients another process counts in the norm."""
@@ -73,3 +75,18 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's local part: the same shard on every holder (their stages are sharded
     alike over the same data axes)."""
     return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+
+
+def check_schedule(tied: list[str], schedule: str, model: str) -> None:
+    """A UsageError where `schedule` cannot keep the tie of `tied` (the first-stage modules a
+    last stage's head shares a weight with): ZBVZeroBubble holds the first and the last stage
+    in one process and computes weight gradients apart, which sums the tied weight's two parts
+    wrong (tests/parallel/test_pipeline_hf.py)."""
+    if tied and schedule == "ZBVZeroBubble":
+        raise UsageError(
+            f"parallel.pp_schedule: ZBVZeroBubble cannot keep {model}'s head tied to "
+            f"{', '.join(tied)}: the first and last stages share a process, whose weight "
+            "gradients it computes apart",
+            hint="Use Interleaved1F1B (two stages a process too), or build the model with "
+            f"tie_word_embeddings=False to untie it ({DOCS}).",
+        )

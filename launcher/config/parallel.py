@@ -22,7 +22,9 @@ class ParallelSection(Section):
         "split points, or evenly along its repeated blocks), each held by one group of "
         "processes, which pass activations forward and gradients back (torch's "
         "`torch.distributed.pipelining`). The outermost axis: its groups may span nodes. "
-        "fsdp only; the recipe gives `split_batch` and `loss_from_output` "
+        "fsdp only. A Hugging Face model is cut by its own plan (`base_model_pp_plan`), and a "
+        "causal LM with dict batches of `input_ids` and `labels` needs no hooks; for other "
+        "models the recipe gives `split_batch` and `loss_from_output` "
         "(docs/fsdp-and-parallelism.md, 'Pipeline parallelism').",
     )
     pp_schedule: PipelineSchedule = Field(
@@ -39,9 +41,10 @@ class ParallelSection(Section):
     )
     pp_split_points: list[str] | None = Field(
         None,
-        description="Where stages begin, by module name (e.g. `[blocks.4]`): `pp - 1` "
-        "names, or `2 * pp - 1` for the two-stage schedules. Unset: the model's repeated "
-        "blocks (those `fsdp.wrap` finds) divided evenly.",
+        description="Where stages begin, by module name (e.g. `[blocks.4]`, or "
+        "`[model.layers.16]` for a Hugging Face model, whose stages begin at a block of its "
+        "layer list): `pp - 1` names, or `2 * pp - 1` for the two-stage schedules. Unset: the "
+        "model's repeated blocks (those `fsdp.wrap` finds) divided evenly.",
     )
     dp_replicate: Degree | None = Field(
         None,

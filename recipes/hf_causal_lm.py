@@ -11,9 +11,8 @@ from a small config (no download), learning to count. No pipeline hooks: under
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-
 from hf_gpt2 import Counting  # a sibling: the launcher puts the recipe's folder on sys.path
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 # Each family's names for the same small shape.
 FAMILIES = {

@@ -78,7 +78,8 @@ def stage_estimates(
 
     def stage_of(index: int) -> Any:
         model = build_on_meta(lambda: recipe.build_model(**spec.recipe.model))
-        given = hooks_for(spec, recipe, model, batch)
+        # The tracer traces the model on the meta device with inputs there too.
+        given = hooks_for(spec, recipe, model, map_tensors(batch, lambda t: t.to("meta")))
         points = split_points(model, section, spec.fsdp.wrap)
         cut = cut_model(
             model, points, given, rows, [index], contextlib.nullcontext, section.pp_schedule,

@@ -133,7 +133,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         mesh = self.dims.build_mesh(self.device.type)
         runner, stages = build_pipeline(
             model, given, self.parallel, self.options.wrap, self.dims, self.rank, mesh,
-            self.device, self.precision.example_autocast,
+            self.device, self.precision.example_autocast, dtype_of(self.options.param_dtype),
         )  # fmt: skip
         shard_units(model, self.options.wrap)  # fsdp.wrap names classes of the whole model
         for stage in stages.modules:

@@ -110,6 +110,20 @@ def test_a_pipeline_of_tensor_parallel_stages_matches_ddp(llama: Path) -> None:
         assert_close(ours, theirs, rel=1e-4)
 
 
+def test_stages_that_compute_in_bf16_send_what_the_next_one_expects(tmp_path: Path) -> None:
+    """`fsdp.param_dtype: bf16`: the stages compute in bf16 where the CPU example that sized
+    the exchanges computed in fp32; what a stage sends is cast to the agreed dtype (before
+    the fix the next stage read fp32 from bf16 bytes: a NaN loss at step 1)."""
+    low = {"param_dtype": "bf16"}
+    off = {"enabled": False}
+    fsdp = hf_spec(tmp_path, "fsdp", 2, "fsdp", "llama", fsdp=low, checkpoint=off)
+    train(tmp_path, fsdp, "fsdp")
+    pp = hf_spec(tmp_path, "pp", 4, "fsdp", "llama", fsdp=low, checkpoint=off, parallel={"pp": 2})
+    train(tmp_path, pp, "pp")
+    for ours, theirs in zip(curves(tmp_path / "pp"), curves(tmp_path / "fsdp"), strict=True):
+        assert_close(ours, theirs, rel=3e-2)  # bf16's rounding, summed in other orders
+
+
 def test_a_pipeline_checkpoint_resumes_as_ddp_and_exports_for_from_pretrained(llama: Path) -> None:
     (llama / "ddp.yaml").write_text((llama / "ddp.yaml").read_text())  # resumes_as_ddp's spec
     resumes_as_ddp(llama, "llama-1F1B", "pp 2 x dp_shard 2", rel=1e-5)

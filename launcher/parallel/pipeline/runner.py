@@ -21,7 +21,7 @@ from launcher.parallel.pipeline.layout import (
     split_points,
     stage_indices,
 )
-from launcher.parallel.pipeline.stages import StageModules
+from launcher.parallel.pipeline.stages import StageModules, fix_wire_dtypes
 from launcher.parallel.pipeline.tied import TiedGradients, tie_groups
 
 
@@ -176,16 +176,19 @@ def build_pipeline(
     mesh: Any,
     device: torch.device,
     autocast: Callable[[], Any],
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[Pipeline, StageModules]:
     """This rank's stages of `model` (whole, on CPU) and the schedule that runs them.
     Collective: every process calls it (it makes each stage's process group, and the groups
-    that sum tied weights' gradients)."""
+    that sum tied weights' gradients). `param_dtype`: the dtype fsdp computes in, where the
+    spec sets one."""
     check_torch()
     given = complete_hooks(given, model)
     points = split_points(model, section, wrap)
     rows = given.batch_size // microbatches(section, given.batch_size)
     indices = stage_indices(dims.pp_rank(rank), dims.pp, section.pp_schedule)
     stages = cut_model(model, points, given, rows, indices, autocast, section.pp_schedule)
+    fix_wire_dtypes(stages, param_dtype)  # before fsdp's hooks: it casts what they see
     world = dims.world
     stage_groups = [
         dist.new_group([r for r in range(world) if dims.pp_rank(r) == i]) for i in range(dims.pp)

@@ -108,3 +108,32 @@ def shared_parameters(stages: list[nn.Module]) -> dict[str, list[int]]:
             holders.setdefault(id(param), []).append(index)
             names.setdefault(id(param), name)
     return {names[key]: held for key, held in holders.items() if len(held) > 1}
+
+
+def fix_wire_dtypes(stages: StageModules, dtype: torch.dtype | None) -> None:
+    """What stages send each other, in one dtype per tensor that both ends agree on: the
+    example's, or `dtype` (FSDP's `param_dtype`, which the stages compute in but the CPU
+    example did not) for floating-point ones. Each stage but the last casts its output to
+    it, so that the receiving process's buffers (allocated from the examples) fit what
+    arrives, whatever dtype promotion gave in between."""
+    for at, index in enumerate(stages.indices):
+        inputs, outputs = stages.examples[at]
+        if dtype is not None:
+            inputs = inputs if index == 0 else _floats_in(inputs, dtype)
+            outputs = outputs if index == stages.count - 1 else _floats_in(outputs, dtype)
+            stages.examples[at] = (inputs, outputs)
+        if index < stages.count - 1:
+            stages.modules[at].register_forward_hook(_casting([t.dtype for t in outputs]))
+
+
+def _floats_in(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def _casting(dtypes: list[torch.dtype]) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return output.to(dtypes[0])
+        return type(output)(t.to(d) for t, d in zip(output, dtypes, strict=True))
+
+    return hook

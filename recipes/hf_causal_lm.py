@@ -10,8 +10,9 @@ from a small config (no download), learning to count. No pipeline hooks: under
 
 from __future__ import annotations
 
-import torch
-from hf_gpt2 import Counting  # a sibling: the launcher puts the recipe's folder on sys.path
+# The same counting task and loss as hf_gpt2 (a sibling: the launcher puts the recipe's folder
+# on sys.path).
+from hf_gpt2 import build_dataset, loss  # noqa: F401 (this recipe's own)
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 # Each family's names for the same small shape.
@@ -51,14 +52,3 @@ def build_model(
         shape["tie_word_embeddings"] = tie_word_embeddings
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **shape, **extra)
     return AutoModelForCausalLM.from_config(config)
-
-
-def build_dataset(
-    split: str, n_samples: int = 1024, seq_len: int = 32, vocab_size: int = 64
-) -> Counting:
-    return Counting(n_samples, seq_len, vocab_size, seed=0 if split == "train" else 1)
-
-
-def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's own next-token cross entropy."""
-    return model(**batch).loss

@@ -15,11 +15,21 @@ import pytest
 import yaml
 
 from launcher.config.spec import RunSpec
+from launcher.worker.loader_workers import fork_may_hang
 from tests.tiny_recipes import FAULTY_RECIPE  # noqa: F401  (the tests take it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 
 TRAIN = Path(sys.executable).parent / "train"
+
+# Forked DataLoader workers of a process that runs collectives: a path this CPython can hang
+# (gh-112275, fixed in 3.10.15 and 3.11.10), which the launcher's own warning names. A test
+# never runs it there.
+FORKED_LOADER_WORKERS_MAY_HANG = pytest.mark.skipif(
+    fork_may_hang(),
+    reason="this CPython can hang a forked loader worker as it starts (gh-112275, fixed in "
+    "3.10.15 and 3.11.10): the path the launcher's own warning names, never run here",
+)
 
 
 def run_train(

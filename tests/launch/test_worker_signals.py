@@ -20,6 +20,7 @@ import pytest
 from launcher.rundir.layout import RunLayout
 from tests.conftest import (
     FAULTY_RECIPE,
+    FORKED_LOADER_WORKERS_MAY_HANG,
     REPO,
     finish_train,
     run_train,
@@ -291,7 +292,9 @@ def _loader_workers(launcher_pid: int, start: str) -> list[psutil.Process]:
     return [p for server in servers for p in server.children()]
 
 
-@pytest.mark.parametrize("start", ["auto", "fork"])
+@pytest.mark.parametrize(
+    "start", ["auto", pytest.param("fork", marks=FORKED_LOADER_WORKERS_MAY_HANG)]
+)
 def test_slurm_style_sigterm_to_every_process_saves_even_with_loader_workers(
     tmp_path: Path, start: str
 ) -> None:

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher.worker.loader_workers import fork_may_hang
-from tests.conftest import REPO, metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.conftest import (
+    FORKED_LOADER_WORKERS_MAY_HANG,
+    REPO,
+    metrics_of,
+    only_run_dir,
+    run_train,
+    usage_error,
+    write_spec,
+)
 from tests.forked_train import train_in_fork
 
 pytestmark = pytest.mark.timeout(300)
@@ -144,11 +151,7 @@ def test_a_dataset_the_workers_cannot_be_sent_is_refused_in_one_line(tmp_path: P
     )
 
 
-@pytest.mark.skipif(
-    fork_may_hang(),
-    reason="this CPython can hang a forked loader worker as it starts (gh-112275, fixed in "
-    "3.10.15 and 3.11.10): the path the launcher's own warning names, never run here",
-)
+@FORKED_LOADER_WORKERS_MAY_HANG
 def test_forked_workers_need_no_pickled_dataset(tmp_path: Path) -> None:
     (tmp_path / "opened.py").write_text(UNPICKLABLE.format(repo=str(REPO)))
     spec = write_spec(

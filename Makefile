@@ -62,8 +62,10 @@ test-other-torch:
 	$(MAKE) --no-print-directory test-xla test-smoke test-dev-beside
 
 # The full suite on torch 2.13 is split in two so that the two halves of make test end
-# together: DEV_BESIDE runs after the other versions' suites, the rest in test-dev.
-DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_memory_estimate.py \
+# together: DEV_BESIDE runs after the other versions' suites, the rest in test-dev. The layouts
+# compared with one ddp reference (tests/parallel/layouts.py) run in one session, to share it.
+DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
+	tests/parallel/test_memory_estimate.py \
 	tests/training/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
 	tests/training/test_fault_tolerance.py tests/training/test_fault_tolerance_exposure.py \
 	tests/launch/test_multinode.py \

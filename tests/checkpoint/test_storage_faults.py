@@ -19,8 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from launcher.checkpoint import save_failure
 from launcher.launch.agent import AgentLogs
-from launcher.launch.failure_report import last_words, storage_notes
-from launcher.launch.root_cause import root_cause
+from launcher.launch.failure_report import last_words, root_cause, storage_notes
 from launcher.rundir.layout import RunLayout
 from tests.conftest import TRAIN, finish_train, run_train, start_train, usage_error, write_spec
 from tests.launch.test_multinode import finish_nodes, free_port, node_args

@@ -6,93 +6,36 @@ share one."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
 
 from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 from launcher.parallel.dims import ParallelDims, resolve_dims
-from tests.conftest import REPO, metrics_of, run_train, usage_error
+from tests.conftest import REPO, metrics_of, usage_error
 from tests.forked_train import train_in_fork
 from tests.launch.test_multinode import finish_nodes, start_nodes
+from tests.parallel.layouts import (
+    GPT,
+    assert_close,
+    assert_exports_alike,
+    curves,
+    resumes_as_ddp,
+    spec_file,
+    train,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-# fp32, no dropout: the layouts differ only in how sums are ordered.
-GPT = {
-    "source": str(REPO / "recipes" / "gpt.py"),
-    "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16, "dropout": 0.0},
-    "dataset": {"block_size": 16, "max_bytes": 120_000},
-}
-
-# The GPT recipe, recording which batch each process of a 4-process run trained on.
-PROBE = f"""
-import importlib.util, os
-
-_spec = importlib.util.spec_from_file_location("gpt", {str(REPO / "recipes" / "gpt.py")!r})
-gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpt)
-build_model, build_dataset, parallelize = gpt.build_model, gpt.build_dataset, gpt.parallelize
-
-
-def loss(model, batch):
-    if model.training and os.environ["WORLD_SIZE"] == "4":
-        with open(f"batches-{{os.environ['RANK']}}.txt", "a") as out:
-            out.write(f"{{int(batch[0].sum())}}\\n")
-    return gpt.loss(model, batch)
-"""
-
-
-def spec_file(path: Path, devices: int, strategy: str, steps: int = 20, **sections: dict) -> Path:
-    spec = {
-        "run": {"name": "dims", "output_dir": str(path.parent / "runs"), "seed": 3},
-        "launch": {"accelerator": "cpu", "devices": devices, "strategy": strategy},
-        "recipe": dict(GPT),
-        "data": {"batch_size": 4},
-        "optim": {"name": "AdamW", "lr": 0.003},
-        "train": {"max_steps": steps, "log_every": 1, "grad_clip_norm": 1.0},
-        "checkpoint": {"every_n_steps": 10, "async": False},
-        "eval": {"every_n_steps": 10, "max_batches": 3},
-    }
-    for name, values in sections.items():
-        spec.setdefault(name, {}).update(values)
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def train(cwd: Path, spec: Path, run_dir: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    result = run_train(["--config", str(spec), "--run-dir", str(cwd / run_dir), *extra], cwd, 240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def curves(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
-    records = metrics_of(run_dir)
-    losses = [r["loss"] for r in records if "loss" in r]
-    norms = [r["grad_norm"] for r in records if "grad_norm" in r]
-    vals = [r["val/loss"] for r in records if "val/loss" in r]
-    return losses, norms, vals
-
-
-def assert_close(ours: list[float], theirs: list[float], rel: float) -> None:
-    assert len(ours) == len(theirs) and ours, (ours, theirs)
-    assert ours == pytest.approx(theirs, rel=rel, abs=rel), (ours, theirs)
-
 
 @pytest.fixture(scope="module")
-def tp_and_ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """ddp on 2 processes and tp 2 x dp_shard 2 on 4, 20 steps of the same global batch; the
-    folder, and the tp run's output."""
-    folder = tmp_path_factory.mktemp("tp")
-    (folder / "probe.py").write_text(PROBE)
+def tp_and_ddp(ddp_on_2: Path) -> tuple[Path, str]:
+    """tp 2 x dp_shard 2 on 4 processes, 20 steps of the global batch of ddp on 2 (`ddp_on_2`,
+    in the same folder); the folder, and the tp run's output."""
     probe = {**GPT, "source": "probe.py"}  # a resume continues with the recipe it started with
-    train(folder, spec_file(folder / "ddp.yaml", 2, "ddp", recipe=probe), "ddp")
-    tp = spec_file(folder / "tp.yaml", 4, "fsdp", parallel={"tp": 2}, recipe=probe)
-    return folder, train(folder, tp, "tp").stdout
+    tp = spec_file(ddp_on_2 / "tp.yaml", 4, "fsdp", parallel={"tp": 2}, recipe=probe)
+    return ddp_on_2, train(ddp_on_2, tp, "tp").stdout
 
 
 @pytest.mark.smoke
@@ -118,36 +61,13 @@ def test_a_tensor_parallel_checkpoint_resumes_in_other_layouts_and_exports_whole
     # Its step-10 checkpoint resumes as ddp on 2 (steps 11-20 as ddp's own) and as fsdp on 4.
     checkpoint = resumes_as_ddp(folder, "tp", "dp_shard 2 x tp 2", rel=1e-4)
     four = spec_file(
-        folder / "four.yaml", 4, "fsdp", steps=12, recipe={**GPT, "source": "probe.py"}
+        folder / "tp-as-fsdp.yaml", 4, "fsdp", steps=12, recipe={**GPT, "source": "probe.py"}
     )
-    train(folder, four, "as-fsdp", "--resume", checkpoint)
-    assert [r["step"] for r in metrics_of(folder / "as-fsdp") if "loss" in r] == [11, 12]
+    train(folder, four, "tp-as-fsdp", "--resume", checkpoint)
+    assert [r["step"] for r in metrics_of(folder / "tp-as-fsdp") if "loss" in r] == [11, 12]
 
     # Export writes whole tensors from the 2-D layout: ddp's weights at step 20.
     assert_exports_alike(folder, "tp", "ddp")
-
-
-def resumes_as_ddp(folder: Path, run: str, layout: str, rel: float) -> str:
-    """`folder/run`'s step-10 checkpoint (a 4-process `layout`) resumed as ddp on 2 gives
-    steps 11-20 of `folder/ddp`, within `rel`; returns the checkpoint's path."""
-    checkpoint = str(folder / run / "checkpoints" / "step-00000010")
-    resumed = train(folder, folder / "ddp.yaml", "as-ddp", "--resume", checkpoint)
-    assert f"resuming on 2 processes instead of 4 processes ({layout})" in resumed.stdout
-    assert_close(curves(folder / "as-ddp")[0], curves(folder / "ddp")[0][10:], rel=rel)
-    return checkpoint
-
-
-def assert_exports_alike(folder: Path, ours: str, theirs: str) -> None:
-    """`train export` of the runs `folder/ours` and `folder/theirs`: the same names, and the
-    same tensors to float32 rounding over 20 steps."""
-    for name in (ours, theirs):
-        out = folder / f"{name}.pt"
-        export = train_in_fork(["export", str(folder / name), "--out", str(out)], folder)
-        assert export.returncode == 0, export.stdout + export.stderr
-    mine, other = torch.load(folder / f"{ours}.pt"), torch.load(folder / f"{theirs}.pt")
-    assert mine.keys() == other.keys()
-    for key, tensor in other.items():
-        torch.testing.assert_close(mine[key], tensor, rtol=1e-4, atol=1e-5)
 
 
 def test_hsdp_on_two_nodes_is_one_replica_per_node_matches_ddp_and_resumes_as_fsdp(

@@ -18,7 +18,7 @@ from launcher.parallel.dims import ParallelDims, resolve_dims
 from launcher.parallel.pipeline.layout import MIN_TORCH
 from tests.conftest import metrics_of, usage_error
 from tests.forked_train import train_in_fork
-from tests.parallel.test_dims import (
+from tests.parallel.layouts import (
     GPT,
     assert_close,
     assert_exports_alike,
@@ -36,13 +36,11 @@ PIPELINE = {"pp": 2, "pp_microbatches": 2}
 
 
 @pytest.fixture(scope="module")
-def pp_and_ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """ddp on 2 processes and pp 2 x dp_shard 2 (1F1B) on 4, 20 steps; the folder, and the
-    pipeline run's output."""
-    folder = tmp_path_factory.mktemp("pp")
-    train(folder, spec_file(folder / "ddp.yaml", 2, "ddp"), "ddp")
-    pp = spec_file(folder / "pp.yaml", 4, "fsdp", parallel=PIPELINE)
-    return folder, train(folder, pp, "pp").stdout
+def pp_and_ddp(ddp_on_2: Path) -> tuple[Path, str]:
+    """pp 2 x dp_shard 2 (1F1B) on 4 processes, 20 steps, beside ddp on 2 (`ddp_on_2`); the
+    folder, and the pipeline run's output."""
+    pp = spec_file(ddp_on_2 / "pp.yaml", 4, "fsdp", parallel=PIPELINE)
+    return ddp_on_2, train(ddp_on_2, pp, "pp").stdout
 
 
 @pytest.mark.smoke  # torch's pipelining API moves between versions: 2.11 is the GPUs'
@@ -71,14 +69,15 @@ def test_a_pipeline_checkpoint_resumes_in_other_layouts_and_exports_whole(
     pp_and_ddp: tuple[Path, str],
 ) -> None:
     folder, _ = pp_and_ddp
-    checkpoint = resumes_as_ddp(folder, "pp", "pp 2 x dp_shard 2", rel=1e-5)
+    spec_file(folder / "pp-as-ddp.yaml", 2, "ddp")  # ddp on 2, with the recipe pp trained
+    checkpoint = resumes_as_ddp(folder, "pp", "pp 2 x dp_shard 2", 1e-5, "pp-as-ddp.yaml")
     # In its own layout, where each process holds only its stage's part of the checkpoint.
-    train(folder, folder / "pp.yaml", "as-pp", "--resume", checkpoint)
-    assert curves(folder / "as-pp")[0] == curves(folder / "pp")[0][10:]
+    train(folder, folder / "pp.yaml", "pp-as-pp", "--resume", checkpoint)
+    assert curves(folder / "pp-as-pp")[0] == curves(folder / "pp")[0][10:]
     # As fsdp on 4 with tensor parallelism in place of the pipeline: 2 data-parallel ranks.
-    tp = spec_file(folder / "tp.yaml", 4, "fsdp", parallel={"tp": 2})
-    train(folder, tp, "as-tp", "--resume", checkpoint)
-    assert_close(curves(folder / "as-tp")[0], curves(folder / "ddp")[0][10:], rel=1e-4)
+    tp = spec_file(folder / "pp-as-tp.yaml", 4, "fsdp", parallel={"tp": 2})
+    train(folder, tp, "pp-as-tp", "--resume", checkpoint)
+    assert_close(curves(folder / "pp-as-tp")[0], curves(folder / "ddp")[0][10:], rel=1e-4)
 
     # Export writes the whole model from the stages: ddp's weights at step 20.
     assert_exports_alike(folder, "pp", "ddp")

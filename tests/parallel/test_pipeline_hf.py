@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_for_step,
 )
 from tests.forked_train import train_in_fork
-from tests.parallel.test_dims import assert_close, curves, resumes_as_ddp, spec_file, train
+from tests.parallel.layouts import assert_close, curves, resumes_as_ddp, spec_file, train
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [

@@ -16,7 +16,7 @@ from torch import nn
 from launcher.errors import UsageError
 from launcher.parallel.pipeline.traced import cut
 from tests.conftest import REPO
-from tests.parallel.test_dims import GPT
+from tests.parallel.layouts import GPT
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launcher.parallel.base import gradient_norm  # noqa: E402
+from launcher.parallel.grad_norm import gradient_norm  # noqa: E402
 from recipes import gpt  # noqa: E402
 
 CALLS = 50

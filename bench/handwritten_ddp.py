@@ -165,7 +165,7 @@ def main() -> None:
         loss.backward()
         loss_sum += loss.detach()
         if args.launcher_norm:
-            from launcher.parallel.base import gradient_norm
+            from launcher.parallel.grad_norm import gradient_norm
 
             gradient_norm(model, args.clip)
         elif args.clip is not None and args.tp > 1:

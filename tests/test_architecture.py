@@ -187,6 +187,49 @@ def test_the_spec_names_exactly_the_registered_strategies() -> None:
     assert set(get_args(StrategyName)) == set(STRATEGIES)
 
 
+def _class_body(path: Path, name: str) -> list[ast.stmt]:
+    tree = ast.parse(path.read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name).body
+
+
+def test_the_strategy_interface_stays_small() -> None:
+    """`Strategy` is what the loop asks of a backend. A feature's part is an object the
+    strategy holds (`steps`, `control`, `rng`), not members that widen the interface of every
+    backend. Methods and properties count; attributes declared in the class body do not."""
+    body = _class_body(PACKAGE / "parallel" / "base.py", "Strategy")
+    members = [n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(members) <= 32, f"Strategy has {len(members)} members: {members}"
+
+
+def test_a_strategy_never_asks_whether_it_runs_a_pipeline() -> None:
+    """A step's shape is a part the strategy holds (`parallel/steps.py`), chosen once from the
+    layout: no strategy module holds a pipeline or tests for one, FSDPStrategy reads `pp` in
+    `build_model` alone (where it builds the stages and their step runner), and the worker
+    asks the strategy's layout, never the spec, whether there are stages."""
+    parallel = PACKAGE / "parallel"
+    runs_pipelines = {parallel / "steps.py", *(parallel / "pipeline").rglob("*.py")}
+    for path in sorted(set(parallel.rglob("*.py")) - runs_pipelines):
+        held = [
+            node.lineno
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute)
+            and node.attr == "pipeline"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ]
+        assert not held, f"{path}:{held} holds a pipeline; its `steps` run one"
+    readers = {
+        method.name
+        for method in _class_body(parallel / "fsdp.py", "FSDPStrategy")
+        if isinstance(method, ast.FunctionDef)
+        for node in ast.walk(method)
+        if isinstance(node, ast.Attribute) and node.attr == "pp"
+    }
+    assert readers == {"build_model"}
+    for path in (PACKAGE / "worker").glob("*.py"):
+        assert "spec.parallel.pp" not in path.read_text(), f"{path} reads pp from the spec"
+
+
 def test_clusters_are_a_room_only_the_train_process_enters() -> None:
     """Where a job runs (SLURM, Kubernetes, SkyPilot, TPU pods) is a room of its own: it reads
     only the error types, the spec and the run folder, never torch (`train slurm` and `train

@@ -97,7 +97,10 @@ class Checkpointer:
         self._newest: Any = None
         self._said_slow = False  # the warning that saves outpace the storage, once a run
         self._staging: Any = None  # the background copy of the state, while it runs
-        self._group = strategy.checkpoint_group() if use_async else None
+        # Background writes (torch.distributed's strategies alone: the registry's
+        # `async_checkpoints`) need a CPU (gloo) group for DCP's async writer, one of their own
+        # so that its collectives never interleave with the training step's.
+        self._group = torch.distributed.new_group(backend="gloo") if use_async else None
         self._stager = _background_stager(strategy.device.type) if use_async else None
 
     def save(self, step: int) -> None:
@@ -139,7 +142,7 @@ class Checkpointer:
                 dcp.save(
                     state,
                     storage_writer=writer,
-                    planner=self.strategy.save_planner(),
+                    planner=self.strategy.planners().save,
                 )
             self._publish(staging, step, meta, started, writer)
         self.strategy.barrier()
@@ -275,7 +278,7 @@ def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any]
     flat, mapping = flatten_state_dict(state)
     flat = loaded_keys(flat)
     with _quiet_dcp():
-        planner = strategy.load_planner() or weights_only_planner()
+        planner = strategy.planners().load or weights_only_planner()
         source = reader(path)  # a store's; DCP picks its own for a folder
         dcp.load(
             flat, checkpoint_id=None if source else path, storage_reader=source, planner=planner
@@ -297,7 +300,7 @@ def _held_elsewhere(state: dict[str, Any], strategy: Strategy) -> frozenset[str]
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     mine = set(flatten_state_dict(state)[0])
-    everyone = set().union(*(set(keys) for keys in strategy.gather(sorted(mine))))
+    everyone = set().union(*(set(keys) for keys in strategy.control.gather(sorted(mine))))
     return frozenset(everyone - mine)
 
 

@@ -32,8 +32,8 @@ def check_shared_run_dir(strategy: Strategy, run_dir: Path) -> None:
     wrote into its run folder."""
     if strategy.world_size == 1:
         return
-    token = strategy.from_main(_leave_token(run_dir) if strategy.is_main else None)
-    seen = strategy.gather((_sees(run_dir, token), socket.gethostname(), str(run_dir)))
+    token = strategy.control.from_main(_leave_token(run_dir) if strategy.is_main else None)
+    seen = strategy.control.gather((_sees(run_dir, token), socket.gethostname(), str(run_dir)))
     if strategy.is_main:  # after the gather: every rank has looked
         _probe(run_dir, token).unlink(missing_ok=True)
     blind = {rank: (host, folder) for rank, (sees, host, folder) in enumerate(seen) if not sees}

@@ -60,7 +60,9 @@ def load_weights(
 
     source = find_weights(location(load.weights, what=KEY))
     own = get_model_state_dict(model)  # this rank's tensors: shards under fsdp
-    match = strategy.from_main(_match_on_main(source, model, own) if strategy.is_main else None)
+    match = strategy.control.from_main(
+        _match_on_main(source, model, own) if strategy.is_main else None
+    )
     _refuse_unfit(source, match, load.strict)
     if source.kind == "checkpoint":
         _load_checkpoint(model, strategy, source.path, match.pairs, own)
@@ -195,7 +197,7 @@ def _load_checkpoint(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = {_MODEL + name: own[target] for name, target in pairs.items()}
-    read_tensors(state, path, KEY, strategy.load_planner())
+    read_tensors(state, path, KEY, strategy.planners().load)
     loaded = {target: state[_MODEL + name] for name, target in pairs.items()}
     # DCP filled the tensors in place; where they are copies of the model's (XLA), this
     # puts them in the model.

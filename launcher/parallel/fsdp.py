@@ -29,13 +29,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from launcher.config.spec import FSDPSection
 from launcher.metrics.memory import local_bytes, size_text
 from launcher.parallel.dims import ParallelDims, data_mesh
-from launcher.parallel.grad_norm import pipeline_norm
 from launcher.parallel.pipeline.given import PipelineInput
-from launcher.parallel.pipeline.runner import Pipeline, build_pipeline
+from launcher.parallel.pipeline.runner import build_pipeline
 from launcher.parallel.pipeline.stages import StageParts
 from launcher.parallel.precision import dtype_of
 from launcher.parallel.shard_units import shard_units
 from launcher.parallel.sharded_init import MetaBuildFailed, UnsetByInit, build_on_meta, initialize
+from launcher.parallel.steps import PipelinedSteps
 from launcher.parallel.tensor_parallel import ParallelizeHook, apply_tensor_parallel
 from launcher.parallel.torch_distributed import TorchDistributedStrategy
 from launcher.parallel.weight_init import WeightInit
@@ -44,7 +44,6 @@ from launcher.parallel.weight_init import WeightInit
 class FSDPStrategy(TorchDistributedStrategy):
     name = "fsdp"
     parallelize: ParallelizeHook | None = None  # the recipe's tensor-parallel plan
-    pipeline: Pipeline | None = None  # parallel.pp: this process's stages and their schedule
 
     def __init__(
         self, accelerator: str, precision: str, options: FSDPSection, **train: Any
@@ -67,8 +66,8 @@ class FSDPStrategy(TorchDistributedStrategy):
         pipeline: PipelineInput | None = None,
     ) -> nn.Module:
         self.parallelize = parallelize
-        if self.dims is not None and self.dims.pp > 1:
-            assert pipeline is not None  # the loop gives it where parallel.pp asks for stages
+        if self.layout.pp > 1:  # the one place a step's shape is chosen (`self.steps`)
+            assert pipeline is not None  # the loop gives it where the layout has stages
             return self._build_stages(init.build(factory), pipeline)
         if not shards_the_model(self.options, self.world_size):
             self.say(
@@ -127,11 +126,12 @@ class FSDPStrategy(TorchDistributedStrategy):
 
     def _build_stages(self, model: nn.Module, given: PipelineInput) -> nn.Module:
         """This process's pipeline stages of `model` (built whole on CPU, as ddp builds it:
-        every stage starts from ddp's weights), each laid out as fsdp lays out a model."""
+        every stage starts from ddp's weights), each laid out as fsdp lays out a model; from
+        here on the steps run through them."""
         assert self.dims is not None
         self.prepare_layers(model)
         mesh = self.dims.build_mesh(self.device.type)
-        runner, stages = build_pipeline(
+        pipeline, stages = build_pipeline(
             model, given, self.parallel, self.options.wrap, self.dims, self.rank, mesh,
             self.device, self.precision.example_autocast, dtype_of(self.options.param_dtype),
         )  # fmt: skip
@@ -143,42 +143,8 @@ class FSDPStrategy(TorchDistributedStrategy):
             with warnings.catch_warnings():  # a plan's layers that other stages hold
                 warnings.filterwarnings("ignore", message="Parallelize plan key")
                 lay_out(stage, self.dims, mesh, options, self.parallelize, self.compile_units)
-        self.pipeline = runner
-        if self.rank % (self.dims.world // self.dims.pp) == 0:  # the first process of a stage
-            print(runner.describe(), flush=True)
+        self.steps = PipelinedSteps(pipeline, self.precision)
         return StageParts(stages.modules)
-
-    def forward_backward(
-        self, model: nn.Module, batch: Any, loss_of: Callable[..., Any], accum: int
-    ) -> tuple[Any, dict[str, Any]]:
-        if self.pipeline is None:
-            return super().forward_backward(model, batch, loss_of, accum)
-        with self.autocast():
-            return self.pipeline.step(batch), {}
-
-    def evaluate_batch(
-        self, model: nn.Module, batch: Any, evaluate: Callable[..., Any]
-    ) -> dict[str, Any]:
-        if self.pipeline is None:
-            return super().evaluate_batch(model, batch, evaluate)
-        with self.autocast():
-            return {"loss": self.pipeline.evaluate(batch)}
-
-    def finish_gradients(self, model: nn.Module, optimizer: Any, max_norm: float | None) -> Any:
-        if self.pipeline is None:
-            return super().finish_gradients(model, optimizer, max_norm)
-        self.pipeline.tied.sum(model)
-        uncounted = self.pipeline.tied.uncounted(model)  # another process counts them
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        counted = [
-            p.grad for p in model.parameters() if p.grad is not None and id(p) not in uncounted
-        ]
-        return pipeline_norm(grads, max_norm, self.pipeline.group, self.device, counted)
-
-    def agree_buffers(self, model: nn.Module) -> None:
-        if self.pipeline is None:
-            return super().agree_buffers(model)
-        self.pipeline.agree_buffers(model)
 
     def _materialise(self, model: nn.Module, init: WeightInit) -> nn.Module:
         self.wrap_model(model)

@@ -1,6 +1,6 @@
-"""The global gradient norm, and clipping to it, for sharded (DTensor) gradients at the cost of
-one all-reduce per mesh axis they are sharded on (FSDP: one; HSDP and tensor parallelism: each
-of theirs).
+"""The global gradient norm, and clipping to it (`gradient_norm`: any model's), for sharded
+(DTensor) gradients at the cost of one all-reduce per mesh axis they are sharded on (FSDP: one;
+HSDP and tensor parallelism: each of theirs), and for a pipeline's stages (`pipeline_norm`).
 
 torch's `clip_grad_norm_` over DTensors sends every per-parameter norm, the stack, the
 coefficient and every multiplication through DTensor's dispatch (sharding propagation, on the
@@ -15,6 +15,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+
+def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The global norm of the gradients, clipping them to `max_norm` when it is set. Sharded
+    gradients (DTensors) give their global norm, the same on every rank."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    sharded = sharded_norm([p.grad for p in params], max_norm)  # type: ignore[misc]
+    if sharded is not None:
+        return sharded
+    if max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
 
 
 def sharded_norm(grads: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | None:

@@ -38,25 +38,34 @@ def rank_seed(seed: int, dp_rank: int, reseeded_at: int = 0) -> int:
     return int(sequence.generate_state(1, np.uint64)[0] >> 1)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's generators, as values `torch.load(weights_only=True)` accepts."""
-    version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": [version, list(mt), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class RandomStreams:
+    """Every random number generator a training process uses: python's `random`, numpy's
+    global generator and torch's (CPU and every CUDA device). A backend with a generator of
+    its own (XLA's) extends it (`Strategy.rng`)."""
 
+    def seed(self, seed: int) -> None:
+        """Seeds every generator with `seed`."""
+        seed_everything(seed)
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    def state(self) -> dict[str, Any]:
+        """Every generator's state, as values `torch.load(weights_only=True)` accepts."""
+        version, mt, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
+            "python": [version, list(mt), gauss],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Every generator back to `state` (what `state` returned)."""
+        version, mt, gauss = state["python"]
+        random.setstate((version, tuple(mt), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

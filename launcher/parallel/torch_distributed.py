@@ -16,9 +16,11 @@ from torch import nn
 from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
 from launcher.parallel import float8, regional_compile
-from launcher.parallel.base import Strategy, gradient_norm, local_shard
+from launcher.parallel.base import Strategy, local_shard
+from launcher.parallel.control import ControlChannel
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.precision import MixedPrecision
+from launcher.parallel.steps import PlainSteps
 from launcher.startup_trace import mark
 
 
@@ -69,8 +71,12 @@ class TorchDistributedStrategy(Strategy):
                 timeout=timedelta(minutes=10),
             )
         self.precision = MixedPrecision(self.precision_name, self.device.type)
+        # DDP and FSDP reduce the gradients in backward; buffers are rank 0's (`agree_buffers`).
+        broadcast = broadcast_from_rank0 if self.world_size > 1 else None
+        self.steps = PlainSteps(self.precision, broadcast_buffers=broadcast)
         # nccl reduces only GPU tensors, and a GPU flag read each step would stall the stream.
-        self._control = dist.new_group(backend="gloo") if backend != "gloo" else None
+        control_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+        self.control = ControlChannel(self.world_size, control_group)
         mark("process-group")
 
     def prepare_layers(self, model: nn.Module) -> None:
@@ -128,20 +134,6 @@ class TorchDistributedStrategy(Strategy):
         if self.is_main:
             print(text, flush=True)
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        return self.precision.autocast()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.precision.backward(loss)
-
-    def finish_gradients(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
-    ) -> torch.Tensor | None:
-        self.precision.unscale(optimizer)  # the norm is of the true gradients
-        norm = gradient_norm(model, max_norm)
-        # fp16's scaler skips the steps whose gradients overflowed: not a failure of the run.
-        return None if self.precision.scaler else norm
-
     def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -158,23 +150,6 @@ class TorchDistributedStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
-
-    def agree_buffers(self, model: nn.Module) -> None:
-        # Rank 0's, as DDP's rule is: DDP takes them at each forward, FSDP2 never does, and a
-        # checkpoint keeps whichever rank's DCP picks. So a run's evaluations, checkpoints and
-        # exports do not depend on its strategy, nor on where it was resumed.
-        if self.world_size == 1:
-            return
-        for buffer in model.buffers():
-            dist.broadcast(local_shard(buffer), src=0)
-
-    def control_group(self) -> Any:
-        return self._control
-
-    def checkpoint_group(self) -> Any:
-        # gloo: DCP's async writer needs a CPU backend, and its own group keeps its
-        # collectives from interleaving with the training step's.
-        return dist.new_group(backend="gloo")
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -206,3 +181,13 @@ class TorchDistributedStrategy(Strategy):
         if dist.is_initialized():
             dist.destroy_process_group()
         mark("teardown")
+
+
+def broadcast_from_rank0(buffers: list[torch.Tensor]) -> None:
+    """Every process's `buffers` made rank 0's (each rank's local shard of a sharded one).
+
+    Rank 0's, as DDP's rule is: DDP takes them at each forward, FSDP2 never does, and a
+    checkpoint keeps whichever rank's DCP picks. So a run's evaluations, checkpoints and
+    exports do not depend on its strategy, nor on where it was resumed."""
+    for buffer in buffers:
+        dist.broadcast(local_shard(buffer), src=0)

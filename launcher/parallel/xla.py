@@ -13,7 +13,8 @@ import torch_xla.runtime as xr
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from launcher.parallel.base import gradient_norm
+from launcher.parallel.control import ControlChannel
+from launcher.parallel.steps import PlainSteps
 from launcher.parallel.xla_common import XLAStrategyBase, join_checkpoint_group
 
 
@@ -25,6 +26,14 @@ class XLAStrategy(XLAStrategyBase):
         self.world_size = xr.world_size()
         self.start_runtime(writes_cache=self.rank == 0)
         join_checkpoint_group(self.world_size)
+        self.control = ControlChannel(self.world_size)
+        # The first half of xm.optimizer_step, before clipping; `apply_update` is the second.
+        # Buffers: rank 0's, as the torch.distributed strategies' (replicas update their own).
+        self.steps = PlainSteps(
+            self.precision,
+            reduce_gradients=xm.reduce_gradients,
+            broadcast_buffers=xm.collective_broadcast if self.world_size > 1 else None,
+        )
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -37,13 +46,6 @@ class XLAStrategy(XLAStrategyBase):
         # Copies the next batches to the device in background threads while a step runs.
         return pl.MpDeviceLoader(loader, self.device)
 
-    def finish_gradients(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
-    ) -> torch.Tensor | None:
-        # The first half of xm.optimizer_step; `apply_update` is the second.
-        xm.reduce_gradients(optimizer)
-        return gradient_norm(model, max_norm)
-
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         values = values.detach().float()
         if self.world_size == 1:
@@ -53,12 +55,6 @@ class XLAStrategy(XLAStrategyBase):
     def barrier(self) -> None:
         if self.world_size > 1:
             xm.rendezvous("launcher")
-
-    def agree_buffers(self, model: nn.Module) -> None:
-        # Rank 0's, as the torch.distributed strategies' (replicas update their own).
-        buffers = list(model.buffers())
-        if self.world_size > 1 and buffers:
-            xm.collective_broadcast(buffers)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # Every replica holds the same values: DCP writes them once, from host copies.

@@ -24,6 +24,7 @@ from launcher.config.spec import XLASection
 from launcher.parallel.base import Strategy
 from launcher.parallel.compile_guard import CompileGuard
 from launcher.parallel.precision import MixedPrecision
+from launcher.parallel.rng import RandomStreams
 
 
 def xla_compilations() -> int:
@@ -41,7 +42,25 @@ def _metric_count(name: str) -> int:
     return int(data[0]) if data else 0
 
 
+class XLARandomStreams(RandomStreams):
+    """The process's generators and XLA's, which draws the device's random numbers."""
+
+    def seed(self, seed: int) -> None:
+        super().seed(seed)
+        xm.set_rng_state(seed % 2**63)
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "xla": int(xm.get_rng_state())}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        super().set_state(state)
+        if "xla" in state:
+            xm.set_rng_state(int(state["xla"]))
+
+
 class XLAStrategyBase(Strategy):
+    rng = XLARandomStreams()
+
     def __init__(
         self,
         accelerator: str,
@@ -67,12 +86,6 @@ class XLAStrategyBase(Strategy):
         # exactly 1.0 in float32 (step 325 with beta2 0.95) XLA bakes a new constant into the
         # graph and compiles again. Capturable keeps the step count on the device.
         return {"capturable": True}
-
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        return self.precision.autocast()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
 
     def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
         super().drop_update(optimizer)
@@ -103,18 +116,6 @@ class XLAStrategyBase(Strategy):
     def drain(self) -> None:
         torch_xla.sync()  # also runs queued step closures
         xm.wait_device_ops()
-
-    def seed(self, seed: int) -> None:
-        super().seed(seed)
-        xm.set_rng_state(seed % 2**63)
-
-    def rng_state(self) -> dict[str, Any]:
-        return {**super().rng_state(), "xla": int(xm.get_rng_state())}
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        super().set_rng_state(state)
-        if "xla" in state:
-            xm.set_rng_state(int(state["xla"]))
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -21,7 +21,9 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
 
-from launcher.parallel.base import gradient_norm
+from launcher.parallel.base import Planners
+from launcher.parallel.control import ControlChannel
+from launcher.parallel.steps import PlainSteps
 from launcher.parallel.xla_common import XLAStrategyBase, join_checkpoint_group
 
 # FSDPv2 shards over the mesh axis named "fsdp"; the batch is split along the same axis.
@@ -43,6 +45,10 @@ class XLASpmdStrategy(XLAStrategyBase):
         n = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(n), (n, 1), _AXES)
         join_checkpoint_group(self.world_size)
+        self.control = ControlChannel(self.world_size)
+        # The gradients are global tensors (the compiler has already reduced them), and so
+        # are the buffers: nothing to reduce or agree.
+        self.steps = PlainSteps(self.precision)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
@@ -53,12 +59,6 @@ class XLASpmdStrategy(XLAStrategyBase):
         sharding = _BatchSharding(self.mesh, minibatch=self.world_size > 1)
         return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
 
-    def finish_gradients(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
-    ) -> torch.Tensor | None:
-        # The gradients are global tensors: the compiler has already reduced them.
-        return gradient_norm(model, max_norm)
-
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         # Computed from the global batch already, and the same on every host.
         return values.detach().float()
@@ -67,33 +67,9 @@ class XLASpmdStrategy(XLAStrategyBase):
         if dist.is_initialized():
             dist.barrier()
 
-    def save_planner(self) -> Any:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
-
-        class FlatSPMDSavePlanner(SPMDSavePlanner):
-            """Each host writes its own shards, straight from the devices. torch_xla's planner
-            flattens less than DCP's (optimizer param_groups would be one pickled blob), so the
-            state is flattened DCP's way first: the same keys as every other checkpoint."""
-
-            def set_up_planner(
-                self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
-            ) -> None:
-                super().set_up_planner(flatten_state_dict(state_dict)[0], is_coordinator)
-
-        return FlatSPMDSavePlanner()
-
-    def load_planner(self) -> Any:
-        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
-
-        class WeightsOnlySPMDLoadPlanner(SPMDLoadPlanner):
-            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                obj = torch.load(value, weights_only=True)  # never unpickle code
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-
-        return WeightsOnlySPMDLoadPlanner()
+    def planners(self) -> Planners:
+        # Each host writes and reads its own shards, straight from the devices.
+        return Planners(save=_flat_save_planner(), load=_weights_only_load_planner())
 
 
 class XLAFSDPStrategy(XLASpmdStrategy):
@@ -128,3 +104,33 @@ class _BatchSharding:
             partition = (_AXES,) + (None,) * (tensor.dim() - 1)
             self._specs[tensor.dim()] = xs.ShardingSpec(self.mesh, partition, self.minibatch)
         return self._specs[tensor.dim()].xla_spec(tensor)
+
+
+def _flat_save_planner() -> Any:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    class FlatSPMDSavePlanner(SPMDSavePlanner):
+        """torch_xla's planner flattens less than DCP's (optimizer param_groups would be one
+        pickled blob), so the state is flattened DCP's way first: the same keys as every
+        other checkpoint."""
+
+        def set_up_planner(
+            self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+        ) -> None:
+            super().set_up_planner(flatten_state_dict(state_dict)[0], is_coordinator)
+
+    return FlatSPMDSavePlanner()
+
+
+def _weights_only_load_planner() -> Any:
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    class WeightsOnlySPMDLoadPlanner(SPMDLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            obj = torch.load(value, weights_only=True)  # never unpickle code
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+
+    return WeightsOnlySPMDLoadPlanner()

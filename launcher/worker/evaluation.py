@@ -84,14 +84,14 @@ class Evaluator:
         rank. The training random streams are left as they were; `alive` is called after
         each batch (the hang watchdog's heartbeat)."""
         strategy = self.strategy
-        rng = strategy.rng_state()
+        rng = strategy.rng.state()
         assert self.loader.generator is not None  # the same worker seeds at every evaluation
         self.loader.generator.manual_seed(self.seed)
         was_training = model.training
         model.eval()
         try:
             with strategy.phase("eval", step), torch.no_grad():
-                strategy.agree_buffers(model)
+                strategy.steps.agree_buffers(model)
                 sums, count = self._accumulate(model, alive)
                 # The last batch's work runs on its own: on XLA, replicas whose last batches
                 # differ in size would otherwise run different programs around one all-reduce.
@@ -101,7 +101,7 @@ class Evaluator:
                 reduced = strategy.reduce_mean(values).cpu().tolist()
         finally:
             model.train(was_training)
-            strategy.set_rng_state(rng)
+            strategy.rng.set_state(rng)
         *totals, samples = reduced
         return {f"val/{k}": total / samples for k, total in zip(names, totals, strict=True)}
 
@@ -123,7 +123,7 @@ class Evaluator:
             taken += 1
             if weight is None:
                 weight = batch_size(batch)
-            metrics = self.strategy.evaluate_batch(model, batch, self.recipe.evaluate)
+            metrics = self.strategy.steps.evaluate_batch(model, batch, self.recipe.evaluate)
             if sums and sorted(metrics) != sorted(sums):
                 raise RunError(
                     f"recipe: evaluate() returned {sorted(metrics)} for one batch and "
@@ -167,7 +167,7 @@ class _RealBatches:
 def _same_everywhere(size: int, strategy: Strategy) -> int:
     """Every rank must build the same split: a rank with more batches would wait forever in
     a collective of its forward (FSDP) for ranks that are done."""
-    sizes = strategy.gather(size)
+    sizes = strategy.control.gather(size)
     if len(set(sizes)) > 1:
         raise RunError(
             f"recipe: build_dataset('val') gives {', '.join(map(str, sizes))} samples on ranks "

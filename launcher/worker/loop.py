@@ -62,13 +62,13 @@ class Trainer:
         sinks = build_sinks(spec, run_dir) if writes else []
         self.telemetry = Telemetry(run_dir, strategy.log_rank, writes, attempt, sinks)
         self.telemetry.beat(0)
-        strategy.seed(spec.run.seed)
+        strategy.rng.seed(spec.run.seed)
         # A restarted attempt asks the rule again, and rank 0's answer wins: nodes started
         # again, and nodes that restarted their workers, may each have seen another newest.
         # A restarted replica group heals from a live one instead (`_reload` where none is).
         healing = bool(attempt) and strategy.heals_from_peers
         start = None if healing else attempt_start(resume_from, run_dir, attempt)
-        self.resume_from = strategy.from_main(start)
+        self.resume_from = strategy.control.from_main(start)
         if attempt:
             note = restart_note(attempt, spec.launch.max_restarts, self.resume_from, healing)
             print(note, flush=True)
@@ -111,7 +111,7 @@ class Trainer:
             lambda: recipe.build_model(**spec.recipe.model),
             WeightInit(recipe, spec.run.seed),
             recipe.parallelize_hook(),
-            self._pipeline_input() if spec.parallel.pp > 1 else None,
+            self._pipeline_input() if strategy.layout.pp > 1 else None,
         )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
@@ -120,7 +120,9 @@ class Trainer:
     def _reload(self) -> bool:
         """Collective: restores the newest complete checkpoint, where there is one (a
         restarted replica group with no live group to heal from); whether it did."""
-        newest = self.strategy.from_main(attempt_start(None, self.layout.root, self.attempt))
+        newest = self.strategy.control.from_main(
+            attempt_start(None, self.layout.root, self.attempt)
+        )
         where = f"resuming from {newest}" if newest else "no checkpoint yet: starting over"
         self._say(f"no replica group is ahead of this one to copy from: {where}")
         if newest is None:
@@ -192,7 +194,7 @@ class Trainer:
         # The weights and datasets, alike on every rank, were built from the run's seed: from
         # here each data-parallel rank draws its own numbers (dropout, a collate's mixup), the
         # processes of a tensor-parallel group the same ones; a resume restores them as saved.
-        self.strategy.seed(rank_seed(self.spec.run.seed, self.strategy.dp_rank))
+        self.strategy.rng.seed(rank_seed(self.spec.run.seed, self.strategy.dp_rank))
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.telemetry.sinks_started()
@@ -210,7 +212,9 @@ class Trainer:
         spec, progress = self.spec, self.progress
         self.saved_at = progress.step
         # Asked while the ranks were starting (a preemption, Ctrl-C on another node): no step.
-        self.stop_requested = stopped = self.strategy.any_rank(self.layout.stop_request.exists())
+        self.stop_requested = stopped = self.strategy.control.any_rank(
+            self.layout.stop_request.exists()
+        )
         if stopped:
             self._say(f"stop requested: stopping before step {progress.step + 1}")
         while progress.step < self.total_steps and not stopped:
@@ -260,7 +264,9 @@ class Trainer:
         every_eval = spec.eval.every_n_steps
         evaluate = every_eval is not None and (step % every_eval == 0 or last)
         # A stop request (a preemption's grace period) does not wait for an evaluation.
-        evaluate = evaluate and not self.strategy.any_rank(self.layout.stop_request.exists())
+        evaluate = evaluate and not self.strategy.control.any_rank(
+            self.layout.stop_request.exists()
+        )
         best = evaluate and self._evaluate()
         every = spec.checkpoint.every_n_steps
         if spec.checkpoint.enabled and (best or (every and step % every == 0)):
@@ -270,7 +276,7 @@ class Trainer:
         # the others: the launcher's stop request (a file: Ctrl-C, SIGTERM), a non-finite
         # loss, early stopping. One small all-reduce.
         early = evaluate and self.state.early is not None and self.state.early.should_stop
-        requested, bad, early = self.strategy.any_rank_each(
+        requested, bad, early = self.strategy.control.any_rank_each(
             [self.layout.stop_request.exists(), self.state.nonfinite.tripped, early]
         )
         if bad:
@@ -301,7 +307,7 @@ class Trainer:
         if self.state.early is not None:
             self.state.early.update(step, metrics)
         best = self.state.best is not None and self.state.best.offer(step, metrics)
-        return self.strategy.from_main(best)  # a save is collective: rank 0 decides
+        return self.strategy.control.from_main(best)  # a save is collective: rank 0 decides
 
     def _finish(self) -> None:
         self.profiler.close()
@@ -334,7 +340,7 @@ class Trainer:
             samples += batch_size(batch)
             sync = i == accum - 1
             with self.strategy.sync_gradients(self.model, sync), self.speed.counting(batch):
-                loss, metrics = self.strategy.forward_backward(
+                loss, metrics = self.strategy.steps.forward_backward(
                     self.model, batch, self.recipe.loss, accum
                 )
             # Accumulate on the device: reading a value here would stall the pipeline.
@@ -350,7 +356,7 @@ class Trainer:
             self.telemetry.checkpoint_blocked(waited, same_save=True)
         assert total_loss is not None
         clip = self.spec.train.grad_clip_norm
-        norm = self.strategy.finish_gradients(self.model, self.optimizer, clip)
+        norm = self.strategy.steps.finish_gradients(self.model, self.optimizer, clip)
         if not self.strategy.commit_step():
             self.strategy.drop_update(self.optimizer)
             return False
@@ -398,24 +404,24 @@ class Trainer:
         started = time.perf_counter()
         # Saving must not move the random streams (XLA advances its seed at every graph cut),
         # or the run would go on drawing other numbers than a run resumed from this save.
-        rng = self.strategy.rng_state()
+        rng = self.strategy.rng.state()
         self._check_finite()
         # The check cut XLA's graph: the checkpoint must record the streams from before it.
-        self.strategy.set_rng_state(rng)
+        self.strategy.rng.set_state(rng)
         self.telemetry.beat(self.progress.step, busy=True)  # a long save is not a hang
         self.checkpointer.save(self.progress.step)
         self.saved_at = self.progress.step
         self.telemetry.beat(self.progress.step)
-        self.strategy.set_rng_state(rng)
+        self.strategy.rng.set_state(rng)
         self.telemetry.checkpoint_blocked(time.perf_counter() - started)
 
     def _check_finite(self) -> None:
         """Collective: a rank that saw a non-finite value stops every rank, unsaved."""
         with self.strategy.phase("check", self.progress.step):
             # Before every save (and the end): what the checkpoint and an export keep.
-            self.strategy.agree_buffers(self.model)
+            self.strategy.steps.agree_buffers(self.model)
             bad = self.state.nonfinite.check_now(self.model)
-        if self.strategy.any_rank(bad):
+        if self.strategy.control.any_rank(bad):
             self._stop_nonfinite()
 
     def _stop_nonfinite(self) -> None:

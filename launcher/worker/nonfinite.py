@@ -79,7 +79,7 @@ class NonFiniteWatch:
 
     def failure(self, newest: Any) -> RunError:
         """Collective: the error that ends the run, the same on every rank."""
-        seen = self.strategy.gather((self.first, self.weights_bad, self.last_skip))
+        seen = self.strategy.control.gather((self.first, self.weights_bad, self.last_skip))
         if self.in_a_row >= MAX_SKIPS_IN_A_ROW:
             what = f"{self.in_a_row} updates in a row skipped, the last at {self.last_skip}"
         else:
@@ -100,11 +100,11 @@ class NonFiniteWatch:
 
     def _decide(self, step: int, flags: list[bool]) -> bool:
         own_loss, grads = flags
-        any_loss, any_grads = self.strategy.any_rank_each([own_loss, grads])
+        any_loss, any_grads = self.strategy.control.any_rank_each([own_loss, grads])
         if not (any_loss or any_grads):
             self.in_a_row = 0
             return True
-        ranks = [r for r, bad in enumerate(self.strategy.gather(own_loss)) if bad]
+        ranks = [r for r, bad in enumerate(self.strategy.control.gather(own_loss)) if bad]
         self.skipped += 1
         self.in_a_row += 1
         self.last_skip = f"step {step}: {_parts(ranks, any_grads)}"

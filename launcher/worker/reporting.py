@@ -18,6 +18,9 @@ from launcher.worker.flops import Speed, describe
 from launcher.worker.metrics_window import MetricsWindow
 from launcher.worker.param_groups import Grouping
 
+# The axes of `launcher.parallel.dims` whose processes each take their own batches.
+DATA_AXES = {"dp_replicate", "dp_shard"}
+
 
 class Reporter:
     def __init__(
@@ -45,9 +48,9 @@ class Reporter:
         share = "its share of the stream" if samples is None else f"{samples:,} samples per epoch"
         # Every rank says this; the display folds identical lines into one `[ranks 0-N]` line.
         dims, devices = strategy.dims, strategy.world_size * strategy.devices_per_process
-        layout = (
-            f" ({dims.describe()})" if dims and (dims.tp > 1 or dims.hybrid or dims.pp > 1) else ""
-        )
+        # Named where it is more than one data axis (every axis, a new one too, says so).
+        split = {axis for axis, degree in dims.as_record().items() if degree > 1} if dims else set()
+        layout = f" ({dims.describe()})" if dims and (split - DATA_AXES or len(split) > 1) else ""
         self.say(
             f"{grouping.count()} | {strategy.name}{layout} on {devices} x "
             f"{strategy.device.type} | {self.total_steps} steps, {per_epoch}"
@@ -151,7 +154,7 @@ class Reporter:
         speed = self.speed.summary(self.telemetry.step_times.median)
         if self.strategy.device.type == "cuda":
             memory_now = self.speed.fields(0.0)  # memory only: no step time
-            speed["device_memory"] = self.strategy.gather(memory_now)
+            speed["device_memory"] = self.strategy.control.gather(memory_now)
         self.telemetry.write_summary(
             **speed,
             final_loss=self.last_loss,

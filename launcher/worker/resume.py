@@ -53,7 +53,7 @@ def restore(
     if same_world:
         return
     # Saved with another world size: per-rank streams cannot continue; reseed them.
-    strategy.seed(rank_seed(spec.run.seed, strategy.dp_rank, state.progress.step))
+    strategy.rng.seed(rank_seed(spec.run.seed, strategy.dp_rank, state.progress.step))
     saved = checkpoint.saved_layout(checkpoint.read_meta(path))
     say(
         f"resuming on {_ranks(strategy.layout)} instead of {_ranks(saved)}: model, optimizer "

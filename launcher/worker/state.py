@@ -59,7 +59,7 @@ class TrainState:
             "progress": asdict(self.progress),
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.strategy.world_size,
-            "tp": self.strategy.tp_degree,  # what checkpoints before "layout" kept
+            "tp": self.strategy.layout.tp,  # what checkpoints before "layout" kept
             "layout": self.strategy.layout.as_record(),
             "spec": self.spec.model_dump(mode="json", by_alias=True),
             "config_file": self.config_file,
@@ -70,7 +70,7 @@ class TrainState:
 
     def rank_state_dict(self) -> dict[str, Any]:
         return {
-            "rng": self.strategy.rng_state(),
+            "rng": self.strategy.rng.state(),
             "window": self.window.state_dict(),
             "recipe": self.recipe.state_dict(),
             "data": self.feed.state_dict(),
@@ -92,7 +92,7 @@ class TrainState:
         self.notes = [note] if note else []
         if own is None:
             return
-        self.strategy.set_rng_state(own["rng"])
+        self.strategy.rng.set_state(own["rng"])
         self.speed.load_state_dict(own.get("flops"))
         self.window.load_state_dict(own["window"], self.strategy.device)
         self.recipe.load_state_dict(own["recipe"])

@@ -11,8 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from launcher.parallel.base import gradient_norm
-from launcher.parallel.grad_norm import sharded_norm
+from launcher.parallel.grad_norm import gradient_norm, sharded_norm
 from tests.conftest import end_without_teardown, free_port
 
 

@@ -180,8 +180,8 @@ def build_pipeline(
 ) -> tuple[Pipeline, StageModules]:
     """This rank's stages of `model` (whole, on CPU) and the schedule that runs them.
     Collective: every process calls it (it makes each stage's process group, and the groups
-    that sum tied weights' gradients). `param_dtype`: the dtype fsdp computes in, where the
-    spec sets one."""
+    that sum tied weights' gradients), and the first process of each stage says what it
+    holds. `param_dtype`: the dtype fsdp computes in, where the spec sets one."""
     check_torch()
     given = complete_hooks(given, model)
     points = split_points(model, section, wrap)
@@ -195,7 +195,10 @@ def build_pipeline(
     ]
     groups = (mesh["pp"].get_group(), stage_groups[dims.pp_rank(rank)])
     tied = tie_groups(stages.shared, dims, rank, section.pp_schedule)
-    return Pipeline(stages, section, given, groups, device, tied), stages
+    pipeline = Pipeline(stages, section, given, groups, device, tied)
+    if rank % (world // dims.pp) == 0:  # the first process of a stage says what it holds
+        print(pipeline.describe(), flush=True)
+    return pipeline, stages
 
 
 def loss_from_output_of(given: PipelineInput) -> Callable[[Any, Any], Any]:

@@ -235,11 +235,18 @@ def test_clusters_are_a_room_only_the_train_process_enters() -> None:
     assert importers <= {"launch", "cli"}, f"only launch and cli may import clusters: {importers}"
 
 
-# The replicas room's two halves: what runs in the workers (imported by name by
-# parallel/build.py; the interface, engine.py, by parallel/base.py) and what runs in the
-# launcher (imported by name, through the registry, by launch/).
-REPLICA_ENGINE_MODULES = {"engine.py", "torchft_engine.py", "torchft_manager.py", "peer_state.py"}
-REPLICA_COORDINATOR_MODULES = {"torchft_coordinator.py", "lighthouse.py"}
+# The replicas room's two halves: what runs in the launcher (the coordinators the registry
+# names, imported by name by launch/, and the modules they use) and what runs in the workers
+# (every other module: the engines, imported by name by parallel/build.py, the interface
+# that parallel/base.py imports, and what they use). A new engine is a module and a line of
+# the registry: nothing to name here.
+REPLICA_COORDINATOR_MODULES = {
+    *(info.coordinator.rsplit(".", 1)[1] + ".py" for info in ENGINES.values() if info.coordinator),
+    "lighthouse.py",  # the coordinators' Lighthouse process
+}
+REPLICA_ENGINE_MODULES = {
+    p.name for p in (PACKAGE / REPLICAS).glob("*.py") if p.name not in REPLICA_COORDINATOR_MODULES
+} - {"__init__.py", "registry.py"}
 
 
 def _is_replica_coordinator(path: Path) -> bool:
@@ -258,18 +265,18 @@ def test_replicas_are_a_room_of_two_halves() -> None:
     `launch/` reaches a coordinator by name alone."""
     room = PACKAGE / REPLICAS
     halves = REPLICA_ENGINE_MODULES | REPLICA_COORDINATOR_MODULES
-    assert {p.name for p in room.glob("*.py")} == {"__init__.py", "registry.py", *halves}
-    # The registry names each half's modules in that half.
+    assert {p.name for p in room.glob("*.py")} >= REPLICA_COORDINATOR_MODULES
+    assert {"engine.py", "torchft_engine.py", "peer_state.py"} <= REPLICA_ENGINE_MODULES
     engines = {info.module.rsplit(".", 1)[1] + ".py" for info in ENGINES.values()}
-    coordinators = {info.coordinator for info in ENGINES.values() if info.coordinator}
-    assert engines <= REPLICA_ENGINE_MODULES
-    assert {name.rsplit(".", 1)[1] + ".py" for name in coordinators} <= REPLICA_COORDINATOR_MODULES
+    assert engines <= REPLICA_ENGINE_MODULES  # the registry's engines: workers' code
     assert not {p.name for p in (PACKAGE / "launch").rglob("*.py")} & halves
     assert not {p.name for p in (PACKAGE / "parallel").rglob("*.py")} & halves
     own = {f"launcher.replicas.{name[:-3]}" for name in REPLICA_ENGINE_MODULES}
+    theirs = {f"launcher.replicas.{name[:-3]}" for name in REPLICA_COORDINATOR_MODULES}
     for name in REPLICA_ENGINE_MODULES:
         path = room / name
-        assert _rooms_imported(path) <= set(SHARED), path
+        assert _rooms_imported(path) <= set(SHARED) - {"clusters"}, path
+        assert not {_module_of(n) for n in _imported_names(path.read_text())} & theirs, path
     for name in REPLICA_COORDINATOR_MODULES:
         path = room / name
         assert _rooms_imported(path) <= {"top", "config", "rundir", "clusters", "launch"}, path

@@ -94,8 +94,8 @@ class LaunchPlan:
         return ReplicaGroup.on_node(
             self.nodes.node_rank or 0,
             local,
-            self.replica_groups,
-            self.nodes.max,
+            per_node=self.replica_groups,
+            nodes=self.nodes.max,
             lighthouse=lighthouse,
             host=self.group_host,
             size=self.group_size,

@@ -113,7 +113,7 @@ class ReplicaEngine(ABC):
         """The engine's part of summary.json (nothing for one group)."""
 
 
-class Member(Protocol):
+class RankedProcess(Protocol):
     """What `NoReplicas` reads of the strategy that holds it (`launcher.parallel.base.
     Strategy`, whose module imports this one: so a protocol, not the class)."""
 
@@ -129,7 +129,7 @@ class NoReplicas(ReplicaEngine):
 
     def __init__(
         self,
-        strategy: Member,
+        strategy: RankedProcess,
         group: ReplicaGroup | None = None,
         spec: RunSpec | None = None,
         attempt: int = 0,

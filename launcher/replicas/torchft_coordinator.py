@@ -126,7 +126,7 @@ def _lighthouse(plan: LaunchPlan) -> Iterator[tuple[str, lighthouse.Lighthouse |
 
 def _group_agent(plan: LaunchPlan, group: ReplicaGroup, view: GroupsView) -> AgentThread:
     """`group`'s agent, its worker plan written."""
-    local = group.index % group.per_node
+    local = group.local_index
     folder = RunLayout.replica_group(plan.node_dir, local)
     folder.mkdir(parents=True, exist_ok=True)
     plan.worker_plan(group).write(RunLayout.worker_plan(folder))

@@ -44,12 +44,37 @@ class ReplicaGroup:
 
     @classmethod
     def on_node(
-        cls, node_rank: int, local: int, per_node: int, nodes: int, **fields: Any
+        cls,
+        node_rank: int,
+        local: int,
+        *,
+        per_node: int,
+        nodes: int,
+        size: int,
+        lighthouse: str,
+        host: str,
+        events: str,
+        listen: str,
+        token: str,
     ) -> ReplicaGroup:
         """Group `local` (from 0) of node `node_rank`'s `per_node` groups, in a run of `nodes`
-        machines; `fields`: the rest of `ReplicaGroup`'s (size, lighthouse, host, ...)."""
-        index = node_rank * per_node + local
-        return cls(index=index, count=per_node * nodes, per_node=per_node, **fields)
+        machines, each group of `size` processes."""
+        return cls(
+            index=node_rank * per_node + local,
+            count=per_node * nodes,
+            lighthouse=lighthouse,
+            host=host,
+            size=size,
+            per_node=per_node,
+            events=events,
+            listen=listen,
+            token=token,
+        )
+
+    @property
+    def local_index(self) -> int:
+        """The group's index among this machine's groups."""
+        return self.index % self.per_node
 
     @property
     def ranks(self) -> range:
@@ -65,7 +90,7 @@ class ReplicaGroup:
     def first_device(self) -> int:
         """This machine's device of the group's local rank 0: the machine's groups share its
         devices in order."""
-        return (self.index % self.per_node) * self.size
+        return self.local_index * self.size
 
     def member_name(self, index: int) -> str:
         """Group `index`'s name in the quorum (torchft's replica id; it reads the group's

@@ -409,3 +409,37 @@ def test_a_void_steps_reason_is_cut_at_a_word() -> None:
     said = _first_words(gloo)
     assert said.endswith("to finish ...") and len(said) <= 164
     assert _first_words("timed out\ndetails") == "timed out"
+
+
+def test_each_process_writes_its_own_events_and_the_reader_merges_them(tmp_path: Path) -> None:
+    """No events file has two writers at once: each launcher and each process has its own,
+    in the run folder's events folder, read back as one list in time order."""
+    folder = RunLayout(tmp_path).fault_events
+    launcher, rank_2 = RunLayout.launcher_events(folder, 0), RunLayout.rank_events(folder, 2)
+    fault_events.record(rank_2, "quorum", group=1, step=3, groups=2, of=2)
+    fault_events.record(launcher, "lost", group=1)
+    fault_events.record(rank_2, "healed", group=1, step=9, heal_s=0.1)
+    follow = fault_events.NewEvents(folder)
+    assert [e["event"] for e in follow()] == ["quorum", "lost", "healed"]
+    assert follow() == []
+    with open(launcher, "a") as torn:  # a line still being written waits
+        torn.write('{"event": "gave_up"')
+    assert follow() == [] and [e["event"] for e in fault_events.read(folder)][-1] == "healed"
+    # A new attempt: this launcher's own files go, another node's stay; node 0 also removes
+    # those of writers the run no longer has.
+    other_node, gone = RunLayout.launcher_events(folder, 1), RunLayout.rank_events(folder, 9)
+    fault_events.record(other_node, "lost", group=3)
+    fault_events.record(gone, "quorum", group=4, step=1, groups=1, of=5)
+    fault_events.start_over(folder, [launcher, rank_2])
+    assert {p.name for p in folder.iterdir()} == {other_node.name, gone.name}
+    fault_events.start_over(folder, [launcher, rank_2], others=[other_node])
+    assert [p.name for p in folder.iterdir()] == [other_node.name]
+    assert fault_events.kept(folder) and not fault_events.kept(tmp_path / "none")
+
+
+def test_a_run_of_an_earlier_version_keeps_its_one_events_file(tmp_path: Path) -> None:
+    """`train runs` still counts the losses of a run that wrote fault-tolerance.jsonl."""
+    layout = RunLayout(tmp_path)
+    fault_events.record(tmp_path / "fault-tolerance.jsonl", "lost", group=1)
+    assert fault_events.kept(layout.fault_events)
+    assert [e["event"] for e in fault_events.read(layout.fault_events)] == ["lost"]

@@ -417,7 +417,9 @@ def test_each_process_writes_its_own_events_and_the_reader_merges_them(tmp_path:
     folder = RunLayout(tmp_path).fault_events
     launcher, rank_2 = RunLayout.launcher_events(folder, 0), RunLayout.rank_events(folder, 2)
     fault_events.record(rank_2, "quorum", group=1, step=3, groups=2, of=2)
+    time.sleep(0.002)  # times are kept to the millisecond
     fault_events.record(launcher, "lost", group=1)
+    time.sleep(0.002)
     fault_events.record(rank_2, "healed", group=1, step=9, heal_s=0.1)
     follow = fault_events.NewEvents(folder)
     assert [e["event"] for e in follow()] == ["quorum", "lost", "healed"]

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import yaml
 
+from launcher.rundir import fault_events
+from launcher.rundir.layout import RunLayout
+
 REPO = Path(__file__).resolve().parent.parent
 
 RECIPE = """
@@ -83,10 +86,10 @@ def _run(train: list[str], folder: Path, ft: bool, kill_at: int, steps: int) -> 
     if kill.exists():
         at = float(kill.read_text())
         # The next step that counts: the survivor's first step without the lost group (its
-        # quorum, in the run's fault-tolerance.jsonl), or the restarted job's first.
+        # quorum, in the run's fault-tolerance events), or the restarted job's first.
         if ft:
-            events = (summary.parent / "fault-tolerance.jsonl").read_text().splitlines()
-            short = [json.loads(e) for e in events if '"quorum"' in e]
+            events = fault_events.read(RunLayout(summary.parent).fault_events)
+            short = [e for e in events if e["event"] == "quorum"]
             after = [e["time"] for e in short if e["groups"] < e["of"] and e["time"] > at]
             # None without the lost group: it was back before the survivor's next quorum.
             after = after or [e["time"] for e in short if e["time"] > at]

@@ -1,5 +1,5 @@
 """A healing replica group's copy of a live group's state, two ways, in one process on
-loopback: the launcher's state server (`launcher.parallel.peer_state`: the run's token asked,
+loopback: the launcher's state server (`launcher.replicas.peer_state`: the run's token asked,
 tensors and plain values loaded with `weights_only=True`) against torchft's own HTTPTransport
 (every interface, no token, full pickle), which it replaces.
 
@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from launcher.parallel.peer_state import PeerStateServer  # noqa: E402
+from launcher.replicas.peer_state import PeerStateServer  # noqa: E402
 
 TIMEOUT = timedelta(seconds=120)
 

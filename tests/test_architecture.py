@@ -15,6 +15,7 @@ import pytest
 
 from launcher.config.spec import StrategyName
 from launcher.parallel.registry import STRATEGIES
+from launcher.replicas.registry import ENGINES
 from tests.conftest import REPO
 
 # Reads source files only: the same on every torch.
@@ -30,7 +31,16 @@ SHARED = ("top", "config", "rundir", "clusters", "metrics", "parallel", "checkpo
 # Each process's own rooms: the `train` process (launch), every worker (worker), and the
 # readers of run folders (runs, torch-free). They never import one another.
 PROCESSES = ("launch", "worker", "runs")
-ROOMS = (*SHARED[1:], *PROCESSES, "cli")
+# Replica groups (`launcher/replicas/`): a room of two halves, the workers' engines and the
+# launcher's coordinators, whose only ways in are its torch-free registry and the engine
+# interface the strategy holds (test_replicas_are_a_room_of_two_halves).
+REPLICAS = "replicas"
+ROOMS = (*SHARED[1:], *PROCESSES, REPLICAS, "cli")
+# The room's doors: its module, and the rooms that may enter by it.
+REPLICA_DOORS = {
+    "launcher.replicas.registry": {"parallel", "launch"},
+    "launcher.replicas.engine": {"parallel"},
+}
 
 
 def _room(path: Path) -> str:
@@ -63,6 +73,22 @@ def _rooms_imported(path: Path) -> set[str]:
     return _rooms_in(path.read_text(), _room(path))
 
 
+def _rooms_past_replica_doors(path: Path) -> set[str]:
+    """`_rooms_imported`, where the replicas room counts only if it is entered by another
+    way than its doors for this module's room (`REPLICA_DOORS`)."""
+    room, rooms = _room(path), _rooms_imported(path)
+    inside = {n for n in _imported_names(path.read_text()) if n.startswith("launcher.replicas.")}
+    if room != REPLICAS and all(room in REPLICA_DOORS.get(_module_of(n), ()) for n in inside):
+        rooms.discard(REPLICAS)
+    return rooms
+
+
+def _module_of(name: str) -> str:
+    """The package's module an imported name is of: `launcher.replicas.registry.ENGINES` is
+    of `launcher.replicas.registry`."""
+    return ".".join(name.split(".")[:3])
+
+
 def test_one_room_per_concept_and_few_loose_modules() -> None:
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
         ROOMS
@@ -76,7 +102,7 @@ def test_one_room_per_concept_and_few_loose_modules() -> None:
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_go_one_way(path: Path) -> None:
-    room, imported = _room(path), _rooms_imported(path)
+    room, imported = _room(path), _rooms_past_replica_doors(path)
     assert "cli" not in imported, f"{path} imports the command line, which imports everything"
     if room in SHARED:
         later = imported - set(SHARED[: SHARED.index(room)])
@@ -244,8 +270,110 @@ def test_clusters_are_a_room_only_the_train_process_enters() -> None:
         names = {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in nodes if isinstance(n, ast.ImportFrom) and n.module}
         assert not {n for n in names if n.split(".")[0] == "torch"}, f"{path} imports torch"
-    importers = {_room(p) for p in MODULES if "clusters" in _rooms_imported(p)}
+    importers = {
+        _room(p) if not _is_replica_coordinator(p) else "launch"  # the launcher's code too
+        for p in MODULES
+        if "clusters" in _rooms_imported(p)
+    }
     assert importers <= {"launch", "cli"}, f"only launch and cli may import clusters: {importers}"
+
+
+# The replicas room's two halves: what runs in the launcher (the coordinators the registry
+# names, imported by name by launch/, and the modules they use) and what runs in the workers
+# (every other module: the engines, imported by name by parallel/build.py, the interface
+# that parallel/base.py imports, and what they use). A new engine is a module and a line of
+# the registry: nothing to name here.
+REPLICA_COORDINATOR_MODULES = {
+    *(info.coordinator.rsplit(".", 1)[1] + ".py" for info in ENGINES.values() if info.coordinator),
+    "lighthouse.py",  # the coordinators' Lighthouse process
+}
+REPLICA_ENGINE_MODULES = {
+    p.name for p in (PACKAGE / REPLICAS).glob("*.py") if p.name not in REPLICA_COORDINATOR_MODULES
+} - {"__init__.py", "registry.py"}
+
+
+def _is_replica_coordinator(path: Path) -> bool:
+    return path.parent == PACKAGE / REPLICAS and path.name in REPLICA_COORDINATOR_MODULES
+
+
+def _torch_imported(path: Path) -> set[str]:
+    return {n for n in _imported_names(path.read_text()) if n.split(".")[0] == "torch"}
+
+
+def test_replicas_are_a_room_of_two_halves() -> None:
+    """`launcher/replicas/`: the engines (workers' code) import the shared rooms, never the
+    launcher's; the coordinators (the launcher's) import `launch/`, `clusters/` and the
+    torch-free shared rooms, never torch, the strategies, the workers or an engine; the
+    registry is torch-free. Outside the room only its doors lead in (`REPLICA_DOORS`):
+    `launch/` reaches a coordinator by name alone."""
+    room = PACKAGE / REPLICAS
+    halves = REPLICA_ENGINE_MODULES | REPLICA_COORDINATOR_MODULES
+    assert {p.name for p in room.glob("*.py")} >= REPLICA_COORDINATOR_MODULES
+    assert {"engine.py", "torchft_engine.py", "peer_state.py"} <= REPLICA_ENGINE_MODULES
+    engines = {info.module.rsplit(".", 1)[1] + ".py" for info in ENGINES.values()}
+    assert engines <= REPLICA_ENGINE_MODULES  # the registry's engines: workers' code
+    assert not {p.name for p in (PACKAGE / "launch").rglob("*.py")} & halves
+    assert not {p.name for p in (PACKAGE / "parallel").rglob("*.py")} & halves
+    own = {f"launcher.replicas.{name[:-3]}" for name in REPLICA_ENGINE_MODULES}
+    theirs = {f"launcher.replicas.{name[:-3]}" for name in REPLICA_COORDINATOR_MODULES}
+    for name in REPLICA_ENGINE_MODULES:
+        path = room / name
+        assert _rooms_imported(path) <= set(SHARED) - {"clusters"}, path
+        assert not {_module_of(n) for n in _imported_names(path.read_text())} & theirs, path
+    for name in REPLICA_COORDINATOR_MODULES:
+        path = room / name
+        assert _rooms_imported(path) <= {"top", "config", "rundir", "clusters", "launch"}, path
+        assert not _torch_imported(path), f"{path} imports torch"
+        assert not {_module_of(n) for n in _imported_names(path.read_text())} & own, path
+    registry = room / "registry.py"
+    assert _rooms_imported(registry) <= {"top", "config"} and not _torch_imported(registry)
+    for path in MODULES:
+        if _room(path) != REPLICAS:
+            assert REPLICAS not in _rooms_past_replica_doors(path), f"{path} enters replicas/"
+
+
+def test_the_replica_registry_imports_no_torch() -> None:
+    """The launcher reads it before anything starts."""
+    code = "import sys, launcher.replicas.registry; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_room_check_finds_a_launcher_that_imports_a_coordinator() -> None:
+    source = "from launcher.replicas.torchft_coordinator import supervise\n"
+    assert _rooms_in(source, "launch") == {REPLICAS}
+    assert _module_of("launcher.replicas.registry.ENGINES") == "launcher.replicas.registry"
+
+
+def _classes_built_by_type(tree: ast.AST) -> list[int]:
+    """The lines where `type(name, bases, namespace)` builds a class (`type(x)`, which asks
+    for an object's class, builds none)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "type"
+        and len(node.args) + len(node.keywords) >= 3
+    ]
+
+
+def test_no_class_is_built_at_run_time_and_the_engines_silence_no_types() -> None:
+    """A feature is a part a class holds, not a class made with `type()` from a mixin; and
+    the replica engines are typed, not silenced (`# type: ignore`)."""
+    built = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in MODULES
+        for line in _classes_built_by_type(ast.parse(path.read_text()))
+    ]
+    assert not built, f"classes built with type(): {built}"
+    assert _classes_built_by_type(ast.parse("type('X', (object,), {})\ntype(x)\n")) == [1]
+    silenced = [
+        name
+        for name in REPLICA_ENGINE_MODULES
+        if "type: ignore" in (PACKAGE / REPLICAS / name).read_text()
+    ]
+    assert not silenced, f"# type: ignore in the replica engines: {silenced}"
 
 
 def test_test_modules_train_the_shared_tiny_recipe() -> None:

@@ -8,7 +8,16 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from launcher.parallel.base import Strategy
+
+class StateDicts(Protocol):
+    """What a checkpoint asks of the strategy (`launcher.parallel.base.Strategy`): its state
+    dicts. A protocol, since the strategy's replica engine is typed by this module."""
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None: ...
 
 
 class WeightAverage(Protocol):
@@ -28,7 +37,7 @@ class ModelState:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StateDicts,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         average: WeightAverage | None = None,
@@ -54,9 +63,19 @@ class ModelState:
             self.average.restart()
 
 
+class StepCount(Protocol):
+    """Where the loop stands (`launcher.worker.state.Progress`)."""
+
+    step: int  # optimizer steps taken
+
+
 class LoopState(Protocol):
     """The training loop's state (`launcher.worker.state.TrainState`): what every rank shares
-    (`state_dict`, into meta.json) and each rank's own (`rank_state_dict`, rank-N.pt)."""
+    (`state_dict`, into meta.json) and each rank's own (`rank_state_dict`, rank-N.pt), and
+    where it stands (`progress`: a replica engine heals a group to a peer's step)."""
+
+    @property
+    def progress(self) -> StepCount: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

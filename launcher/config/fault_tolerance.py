@@ -1,6 +1,7 @@
 """The `fault_tolerance` section: per-step fault tolerance on torchft (`launcher.config.spec`
-re-exports it). The launcher's side is `launcher.launch.replica_groups`, the workers'
-`launcher.parallel.fault_tolerant`; docs/fault-tolerance.md says when to use it."""
+re-exports it). It picks the run's replica engine (`launcher.replicas.registry`): the
+launcher's side is `launcher.replicas.torchft_coordinator`, the workers'
+`launcher.replicas.torchft_engine`; docs/fault-tolerance.md says when to use it."""
 
 from __future__ import annotations
 

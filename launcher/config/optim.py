@@ -302,13 +302,14 @@ def rejected_settings(name: str, lr: float, settings: dict[str, Any]) -> str | N
     kept = {k: v for k, v in settings.items() if k not in _DEVICE_CHOICES}
     stand_in = torch.zeros(1, requires_grad=True)
     # torch's own add_param_group, without its dynamo guard: the guard's first call imports
-    # torch._dynamo, 0.4 s and 60 MiB of the `train` process's start (issue 41).
+    # torch._dynamo, 0.4 s and 60 MiB of the `train` process's start (issue 41). The
+    # instance's own method, found before its class's, for the constructor to call.
     plain = getattr(optimizer.add_param_group, "__wrapped__", None)
-    checked = (
-        type(optimizer.__name__, (optimizer,), {"add_param_group": plain}) if plain else optimizer
-    )
+    checked = optimizer.__new__(optimizer)
+    if plain is not None:
+        vars(checked)["add_param_group"] = plain.__get__(checked)
     try:
-        checked([stand_in], **{"lr": lr, **kept})
+        optimizer.__init__(checked, [stand_in], **{"lr": lr, **kept})
     except (ValueError, TypeError) as exc:
         return f"{optimizer.__name__} refuses {_settings_text(kept)}: {exc}"
     return None

@@ -18,13 +18,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.checkpoint.catalog import latest_complete
 from launcher.errors import RunError
-from launcher.launch import failure_report, replica_groups
+from launcher.launch import failure_report
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
 from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
 from launcher.launch.supervise import SIGNAL_EXIT, NodeView, Outcome, exit_now, supervise
+from launcher.replicas.registry import coordinator_function
 from launcher.rundir.outcome import OutcomeRecorder
 
 
@@ -69,8 +70,10 @@ def _run(plan: LaunchPlan, console: Console | None) -> Ending:
     _announce(plan, console)
     try:
         with Reaper() as reaper:  # nothing the run starts outlives it
-            if plan.replica_groups:
-                outcome = replica_groups.supervise_groups(plan, console, reaper.pid)
+            # Replica groups (fault_tolerance): their engine's coordinator runs them.
+            supervise_groups = coordinator_function(plan.spec.fault_tolerance, "supervise")
+            if supervise_groups is not None:
+                outcome = supervise_groups(plan, console, reaper.pid)
             else:
                 view = NodeView(plan, console)
                 agent = AgentThread(*agent_config(plan, view.follow))
@@ -122,9 +125,7 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
     if outcome.folder_gone:
         return Ending(_folder_gone(plan, console), False, "the run folder was deleted")
     if outcome.fault:
-        return Ending(
-            replica_groups.report_fault(outcome.fault, plan, console), False, outcome.fault
-        )
+        return Ending(_fault(plan, console), False, outcome.fault)
     if outcome.stalls:
         after = outcome.signal_name if outcome.signals else None
         return Ending(
@@ -149,6 +150,19 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
         return Ending(_stopped(outcome, plan, console), True, reason)
     console.print(f"finished: {plan.run_dir}", highlight=False, soft_wrap=True)
     return Ending(0)
+
+
+def _fault(plan: LaunchPlan, console: Console) -> int:
+    """The run stopped by a fault its coordinator saw (a lost Lighthouse, a stranger in the
+    quorum), said already: where it can go on from."""
+    latest = latest_complete(plan.run_dir)
+    said = (
+        f"checkpoints are intact (newest: {latest.name}). Continue with: --resume {plan.run_dir}"
+        if latest
+        else "no checkpoint was saved yet"
+    )
+    console.print(said, highlight=False, soft_wrap=True)
+    return 1
 
 
 def _folder_gone(plan: LaunchPlan, console: Console) -> int:

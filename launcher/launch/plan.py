@@ -16,16 +16,11 @@ from launcher.checkpoint.weights_source import KEY, check_weights
 from launcher.clusters.kubernetes import NPROC_PER_NODE
 from launcher.clusters.nodes import Nodes
 from launcher.clusters.tpu_pod import host_index
-from launcher.config.fault_tolerance import (
-    FT_SECRET_VARIABLE,
-    require_torchft,
-    restart_warnings,
-)
+from launcher.config.fault_tolerance import FT_SECRET_VARIABLE, restart_warnings
 from launcher.config.loader import SpecLayers
 from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
-from launcher.launch import lighthouse
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.interfaces import address_towards, is_loopback, socket_interface_env
 from launcher.launch.ranks import parse_ranks
@@ -36,6 +31,7 @@ from launcher.parallel import float8
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.plain_number import plain_number
+from launcher.replicas.registry import coordinator_function
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import ReplicaGroup, WorkerPlan
 from launcher.storage_url import location
@@ -93,16 +89,20 @@ class LaunchPlan:
         """Processes of one replica group."""
         return self.nproc // max(1, self.replica_groups)
 
-    @property
-    def first_group(self) -> int:
-        """The run's index of this machine's first replica group: node K's come after the
-        groups of the nodes before it."""
-        return (self.nodes.node_rank or 0) * self.replica_groups
-
-    @property
-    def all_groups(self) -> int:
-        """Replica groups of the run, on every node."""
-        return self.replica_groups * self.nodes.max
+    def replica_group(self, local: int, lighthouse: str) -> ReplicaGroup:
+        """This machine's replica group `local` (from 0), its Lighthouse at `lighthouse`."""
+        return ReplicaGroup.on_node(
+            self.nodes.node_rank or 0,
+            local,
+            per_node=self.replica_groups,
+            nodes=self.nodes.max,
+            lighthouse=lighthouse,
+            host=self.group_host,
+            size=self.group_size,
+            events=str(self.layout.fault_events.absolute()),
+            listen=self.listen,
+            token=self.replica_token,
+        )
 
     @property
     def group_host(self) -> str:
@@ -145,7 +145,7 @@ class LaunchPlan:
             accelerator=self.accelerator,
             xla_spawn=("all" if self.devices.spawn_all else "1") if spawn else None,
             # A replica group's agent numbers its processes from 0, as a TPU host's does.
-            rank_offset=self.rank_offset + (group.index * self.group_size if group else 0),
+            rank_offset=self.rank_offset + (group.ranks.start if group else 0),
             resume_from=self.resume_from,
             compile_cache=self._compile_cache(),
             config_file=self.config_file,
@@ -214,8 +214,11 @@ def make_plan(
     _check_options(spec, accelerator)
     devices = _checked_devices(spec, accelerator, nodes, sources)
     listen = _listen_address(nodes, spec.fault_tolerance.enabled)
-    if spec.fault_tolerance.enabled:
-        _check_replica_groups(spec, devices, nodes, listen)
+    check_groups = coordinator_function(spec.fault_tolerance, "check")
+    if check_groups is not None:  # replica groups (fault_tolerance): their engine's checks
+        check_groups(spec, devices.processes, nodes, listen)
+        per_group = devices.processes // spec.fault_tolerance.replica_groups
+        resolve_dims(spec.parallel, spec.launch.strategy, per_group, per_group)  # its own mesh
     resolved, notes = _resolved(_weights_found(spec, resume_from), accelerator, devices)
     sources = _with_resolved(sources, spec, resolved)
     spec = resolved
@@ -346,40 +349,6 @@ def _checked_devices(
         per_node = devices.processes
         resolve_dims(spec.parallel, spec.launch.strategy, per_node * count, per_node)
     return devices
-
-
-def _check_replica_groups(spec: RunSpec, devices: Devices, nodes: Nodes, listen: str) -> None:
-    """`fault_tolerance`: torchft there, the devices split evenly between the groups, enough
-    groups for `min_replicas`, and the Lighthouse (`lighthouse.check_before_launch`)."""
-    require_torchft()
-    groups = spec.fault_tolerance.replica_groups
-    if nodes.multi and (nodes.elastic or nodes.node_rank is None):
-        raise UsageError(
-            "fault_tolerance: on several machines every node needs a fixed --nnodes and its "
-            "--node-rank: it names the node's replica groups",
-            hint="docs/fault-tolerance.md, 'Several machines'.",
-        )
-    if groups * nodes.max < 2:
-        raise UsageError(
-            f"fault_tolerance.replica_groups: {groups}: a group survives only beside another; "
-            "give 2 or more (or run on several nodes)",
-        )
-    if devices.processes % groups:
-        raise UsageError(
-            f"fault_tolerance.replica_groups: {groups} groups cannot share {devices.processes} "
-            "processes evenly (launch.devices)",
-            hint=f"Use a multiple of {groups} devices, or another number of groups.",
-        )
-    per_group = devices.processes // groups  # each group lays out its own mesh
-    resolve_dims(spec.parallel, spec.launch.strategy, per_group, per_group)
-    all_groups = groups * nodes.max
-    if spec.fault_tolerance.min_replicas > all_groups:
-        raise UsageError(
-            f"fault_tolerance.min_replicas: {spec.fault_tolerance.min_replicas}, but the run "
-            f"has {all_groups} replica groups: no step could ever train",
-            hint=f"Set it to {all_groups} or fewer (1: train on while any group is left).",
-        )
-    lighthouse.check_before_launch(spec.fault_tolerance, nodes, listen)
 
 
 def _devices_named(devices: int | str, source: str | None) -> str:

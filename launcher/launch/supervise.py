@@ -49,7 +49,7 @@ class Outcome:
 
 class AgentWatch:
     """What supervision asks of the agents besides their threads: none for one agent; the
-    replica groups' (`launcher.launch.replica_groups`) under fault tolerance."""
+    replica groups' under fault tolerance (`launcher.replicas.torchft_coordinator`)."""
 
     def ended(self, agent: AgentThread) -> None:
         """`agent` ended while others go on."""

@@ -146,7 +146,8 @@ class TorchDistributedStrategy(Strategy):
         values = values.detach().to(self.device, torch.float64).clone()
         # gloo has no AVG, so sum and divide everywhere.
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        return values / self.world_size
+        # The group's mean; then the groups' (one group: as it is).
+        return self.engine.mean_across_groups(values / self.world_size)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -1,14 +1,18 @@
-"""The replica groups' losses and heals (`fault_tolerance`), as lines of JSON in the run folder
-(`RunLayout.fault_events`), appended by whoever saw each one:
+"""The replica groups' losses and heals (`fault_tolerance`), as lines of JSON in the run
+folder's `RunLayout.fault_events` folder: one file per process that records any, so no file
+has two writers at once (a restarted process appends to its predecessor's):
 
-- the launcher: `lost` (a group's processes failed and its agent restarts them) and `gave_up`
-  (a group failed `launch.max_restarts + 1` times: the others go on without it);
-- each group's rank 0: `quorum` (a new quorum: `groups` of `of` train from `step`),
-  `healed` (the group copied a live group's state: `heal_s` seconds, at `step`), and
-  `stranger` (a quorum held a `replica` that is not one of the run's groups: the launcher
-  stops the run).
+- each node's launcher (`RunLayout.launcher_events`): `lost` (a group's processes failed
+  and its agent restarts them) and `gave_up` (a group failed `launch.max_restarts + 1`
+  times: the others go on without it);
+- each group's rank 0 (`RunLayout.rank_events`): `quorum` (a new quorum: `groups` of `of`
+  train from `step`), `healed` (the group copied a live group's state: `heal_s` seconds, at
+  `step`), and `stranger` (a quorum held a `replica` that is not one of the run's groups:
+  the launcher stops the run); and every process, at the end: `finished` (its `step` and a
+  `digest` of its parameters).
 
-`summarize` turns them into what outcome.json, summary.json and `train runs` show.
+`read` merges the files by time; `summarize` turns them into what outcome.json,
+summary.json and `train runs` show.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from launcher.rundir.layout import RunLayout
+
 
 def record(path: Path, event: str, **fields: Any) -> None:
-    """Appends one event; a line of a few hundred bytes is one write, whole, also when
-    several processes append at once."""
+    """Appends one event to `path`, a file of one process's."""
     line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())
@@ -31,13 +38,36 @@ def record(path: Path, event: str, **fields: Any) -> None:
         os.close(fd)
 
 
-def read(path: Path) -> list[dict[str, Any]]:
-    """The events recorded so far, oldest first (a torn last line left out)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    return _parsed(lines)
+def read(events: Path) -> list[dict[str, Any]]:
+    """The events recorded so far in the folder `events`, every file's, oldest first (a
+    torn last line left out)."""
+    found: list[dict[str, Any]] = []
+    for path in RunLayout.event_files(events):
+        try:
+            found += _parsed(path.read_text().splitlines())
+        except OSError:
+            continue
+    return sorted(found, key=lambda event: event.get("time", 0))
+
+
+def kept(events: Path) -> bool:
+    """Whether the run keeps fault-tolerance events in the folder `events` (a run with replica
+    groups), also before any is recorded."""
+    return events.is_dir() or bool(RunLayout.event_files(events))
+
+
+def start_over(events: Path, own: Iterable[Path], others: Iterable[Path] | None = None) -> None:
+    """An earlier attempt's events are not this one's: removes the files of this launcher's
+    writers (`own`: its own, its groups' processes'); with `others` (the files of every other
+    writer of the run: node 0's launcher says them), also any file of a writer the run no
+    longer has (fewer nodes or processes than before)."""
+    events.mkdir(parents=True, exist_ok=True)
+    doomed = set(own)
+    if others is not None:
+        kept = doomed | set(others)
+        doomed |= {path for path in RunLayout.event_files(events) if path not in kept}
+    for path in doomed:
+        path.unlink(missing_ok=True)
 
 
 def _parsed(lines: list[str]) -> list[dict[str, Any]]:
@@ -53,22 +83,27 @@ def _parsed(lines: list[str]) -> list[dict[str, Any]]:
 
 
 class NewEvents:
-    """The events appended since the last call (the launcher follows the file as the groups
-    write it)."""
+    """The events recorded since the last call, in every file of the folder `events` (the
+    launcher follows them as the groups write them)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, 0
+    def __init__(self, events: Path) -> None:
+        self.events = events
+        self.offsets: dict[Path, int] = {}  # each file's bytes read so far
 
     def __call__(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-        self.offset += len(whole)
-        return _parsed(whole.decode(errors="replace").splitlines())
+        found: list[dict[str, Any]] = []
+        for path in RunLayout.event_files(self.events):
+            offset = self.offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            self.offsets[path] = offset + len(whole)
+            found += _parsed(whole.decode(errors="replace").splitlines())
+        return sorted(found, key=lambda event: event.get("time", 0))
 
 
 def summarize(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

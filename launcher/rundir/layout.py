@@ -21,6 +21,8 @@ This module is the one owner of the layout; no other module joins run-folder pat
       metrics.csv                rank 0's metrics, a column each (log.trackers: csv)
       wandb/                     W&B's own files (log.trackers: wandb): offline runs to sync
       outcome.json               how the run ended: status, exit code, when (the launcher)
+      fault-tolerance/           the replica groups' losses and heals (fault_tolerance): each
+                                 launcher's launcher-N.jsonl, each process's rank-N.jsonl
       .outcome.reserve           room for outcome.json, held while the run runs
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
       checkpoint-store.json      where checkpoints go instead when checkpoint.dir names a store
@@ -162,8 +164,28 @@ class RunLayout:
 
     @property
     def fault_events(self) -> Path:
-        """The replica groups' losses and heals (`launcher.rundir.fault_events`)."""
-        return self.root / "fault-tolerance.jsonl"
+        """The replica groups' losses and heals (`launcher.rundir.fault_events`): a folder of
+        files, each written by one process (`launcher_events`, `rank_events`)."""
+        return self.root / "fault-tolerance"
+
+    @staticmethod
+    def launcher_events(events: Path, node: int) -> Path:
+        """The events node `node`'s launcher records in the folder `events` (`lost`, ...)."""
+        return events / f"launcher-{node}.jsonl"
+
+    @staticmethod
+    def rank_events(events: Path, rank: int) -> Path:
+        """The events the process of rank `rank` (the run's rank, as in its log's name)
+        records in the folder `events` (`quorum`, `healed`, ...)."""
+        return events / f"rank-{rank}.jsonl"
+
+    @staticmethod
+    def event_files(events: Path) -> list[Path]:
+        """Every file of the folder `events`; for a run of an earlier version, its one file
+        beside where the folder would be (`fault-tolerance.jsonl`)."""
+        earlier = _earlier_fault_events(events)
+        found = sorted(events.glob("*.jsonl")) if events.is_dir() else []
+        return found + ([earlier] if earlier.is_file() else [])
 
     @staticmethod
     def replica_group(node_dir: Path, group: int) -> Path:
@@ -254,7 +276,11 @@ class RunLayout:
         startup = [self.lock, self.spec, self.stop_request, self.logs, self.telemetry_dir]
         startup += [self.metrics, self.xla_cache, self.compile_cache, self.node(0).parent]
         startup += [self.worker_plan(self.root), self.agent_logs(self.root), *self.resumed_specs()]
-        startup += [self.root / "groups", self.fault_events]
+        startup += [
+            self.root / "groups",
+            self.fault_events,
+            _earlier_fault_events(self.fault_events),
+        ]
         startup += [
             self.outcome,
             self.outcome_reserve,
@@ -269,6 +295,12 @@ class RunLayout:
 # prefix: `launcher.checkpoint.catalog`).
 _STEP = re.compile(r"^step-(\d{8,})$")
 _DELETING = re.compile(r"^\.step-\d{8,}\.deleting$")  # CheckpointFiles.unpublished
+
+
+def _earlier_fault_events(events: Path) -> Path:
+    """Where a run of an earlier version kept its fault-tolerance events: one file, appended
+    by every process, beside the folder that holds them now."""
+    return events.with_name("fault-tolerance.jsonl")
 
 
 def checkpoint_folder(root: Any, step: int) -> Any:

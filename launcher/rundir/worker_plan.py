@@ -25,19 +25,72 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ReplicaGroup:
-    """A replica group of a fault-tolerant run (`fault_tolerance`): its processes' place."""
+    """A replica group of a fault-tolerant run (`fault_tolerance`): its place in the run, and
+    its processes'. The one place that says which ranks, devices and names a group has: the
+    plan, the launcher's coordinator and the workers' engine all ask it."""
 
-    index: int  # REPLICA_GROUP_ID
+    index: int  # REPLICA_GROUP_ID: node K's groups come after those of the nodes before it
     count: int  # groups in the run
     lighthouse: str  # torchft's Lighthouse, http://HOST:PORT
     host: str  # the address the other groups reach this group's Manager at
-    first_device: int = 0  # this machine's device of the group's local rank 0
-    events: str = ""  # this group's fault-tolerance events (`launcher.rundir.fault_events`)
+    size: int = 1  # processes of each group
+    per_node: int = 1  # groups on each machine (`fault_tolerance.replica_groups`)
+    events: str = ""  # the run's fault-tolerance events folder (`launcher.rundir.fault_events`)
     listen: str = "127.0.0.1"  # the one address the group's servers listen on
     # The run's secret: a state server answers only a request that carries it, and the
     # groups' names carry a tag derived from it (`member_name`), which tells them from a
     # stranger's. Never shown: the Lighthouse's status page shows the names.
     token: str = ""
+
+    @classmethod
+    def on_node(
+        cls,
+        node_rank: int,
+        local: int,
+        *,
+        per_node: int,
+        nodes: int,
+        size: int,
+        lighthouse: str,
+        host: str,
+        events: str,
+        listen: str,
+        token: str,
+    ) -> ReplicaGroup:
+        """Group `local` (from 0) of node `node_rank`'s `per_node` groups, in a run of `nodes`
+        machines, each group of `size` processes."""
+        return cls(
+            index=node_rank * per_node + local,
+            count=per_node * nodes,
+            lighthouse=lighthouse,
+            host=host,
+            size=size,
+            per_node=per_node,
+            events=events,
+            listen=listen,
+            token=token,
+        )
+
+    @property
+    def local_index(self) -> int:
+        """The group's index among this machine's groups."""
+        return self.index % self.per_node
+
+    @property
+    def ranks(self) -> range:
+        """The run's ranks of the group's processes (their logs' and heartbeats'): each group
+        counts its own from 0, the run from group 0's first."""
+        return range(self.index * self.size, (self.index + 1) * self.size)
+
+    def global_rank(self, rank: int) -> int:
+        """The run's rank of the group's process of rank `rank` (its rank in the group)."""
+        return self.ranks[rank]
+
+    @property
+    def first_device(self) -> int:
+        """This machine's device of the group's local rank 0: the machine's groups share its
+        devices in order."""
+        return self.local_index * self.size
 
     def member_name(self, index: int) -> str:
         """Group `index`'s name in the quorum (torchft's replica id; it reads the group's

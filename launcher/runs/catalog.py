@@ -178,7 +178,7 @@ def _describe(run_dir: Path, now: float | None, stores: dict[Path, StoreAnswer] 
 
 def _groups_lost(layout: RunLayout) -> int | None:
     """Replica groups lost so far (`fault_tolerance`); None for a run without them."""
-    if not layout.fault_events.is_file():
+    if not fault_events.kept(layout.fault_events):
         return None
     return sum(e["event"] == "lost" for e in fault_events.read(layout.fault_events))
 

@@ -58,15 +58,15 @@ class Trainer:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
-        writes = strategy.writes_records
+        writes = strategy.engine.writes_records
         sinks = build_sinks(spec, run_dir) if writes else []
-        self.telemetry = Telemetry(run_dir, strategy.log_rank, writes, attempt, sinks)
+        self.telemetry = Telemetry(run_dir, strategy.engine.log_rank, writes, attempt, sinks)
         self.telemetry.beat(0)
         strategy.rng.seed(spec.run.seed)
         # A restarted attempt asks the rule again, and rank 0's answer wins: nodes started
         # again, and nodes that restarted their workers, may each have seen another newest.
         # A restarted replica group heals from a live one instead (`_reload` where none is).
-        healing = bool(attempt) and strategy.heals_from_peers
+        healing = bool(attempt) and strategy.engine.heals_from_peers
         start = None if healing else attempt_start(resume_from, run_dir, attempt)
         self.resume_from = strategy.control.from_main(start)
         if attempt:
@@ -90,7 +90,7 @@ class Trainer:
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
         )
         self.profiler = StepProfiler(
-            spec.train.profile, self.layout, strategy.log_rank, strategy.device
+            spec.train.profile, self.layout, strategy.engine.log_rank, strategy.device
         )
         model_state = ModelState(strategy, self.model, self.optimizer, self.average)
         self.checkpointer = checkpoint.Checkpointer(
@@ -101,7 +101,7 @@ class Trainer:
             keep_last=spec.checkpoint.keep_last,
             use_async=spec.checkpoint.async_,
         )
-        strategy.share_state(model_state, self.state, self._reload)
+        strategy.engine.share_state(model_state, self.state, self._reload)
 
     def _build_model(self) -> torch.nn.Module:
         """The recipe's model, initialised (or loaded: `load.weights`), placed and wrapped."""
@@ -224,7 +224,7 @@ class Trainer:
             moved = False  # the data position changed under the feed: start it again there
             for _ in range(min(left, self.total_steps - progress.step)):
                 started = time.perf_counter()
-                moved = self.strategy.begin_step(progress.step)  # healed from a peer group
+                moved = self.strategy.engine.begin_step(progress.step)  # healed from a peer group
                 if moved:
                     break
                 self.profiler.before_step(progress.step + 1)
@@ -321,16 +321,18 @@ class Trainer:
         self.report.finish(
             self.progress.step,
             self.memory,
-            self.strategy.summary(),
+            {**self.strategy.summary(), **self.strategy.engine.summary()},
             best=self.checkpointer.catalog.best() if self.state.best else None,
             skipped=self.state.nonfinite.skipped,
             # Another replica group's saves may land after this line: it names none.
-            last=self.checkpointer.catalog.latest() if self.strategy.saves_checkpoints else None,
+            last=self.checkpointer.catalog.latest()
+            if self.strategy.engine.saves_checkpoints
+            else None,
             written=self.checkpointer.write_times,
         )
 
     def _step(self, batches: Any) -> bool:
-        """One optimizer step; False where it was void (`Strategy.commit_step`)."""
+        """One optimizer step; False where it was void (`ReplicaEngine.commit_step`)."""
         accum = self.spec.train.grad_accum_steps
         total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
@@ -356,8 +358,9 @@ class Trainer:
             self.telemetry.checkpoint_blocked(waited, same_save=True)
         assert total_loss is not None
         clip = self.spec.train.grad_clip_norm
+        self.strategy.engine.average_gradients(self.model)  # across replica groups
         norm = self.strategy.steps.finish_gradients(self.model, self.optimizer, clip)
-        if not self.strategy.commit_step():
+        if not self.strategy.engine.commit_step():
             self.strategy.drop_update(self.optimizer)
             return False
         step = self.progress.step + 1
@@ -398,7 +401,7 @@ class Trainer:
         )
 
     def _save(self) -> None:
-        if not self.strategy.saves_checkpoints:  # another replica group saves this one
+        if not self.strategy.engine.saves_checkpoints:  # another replica group saves this one
             self.saved_at = self.progress.step
             return
         started = time.perf_counter()

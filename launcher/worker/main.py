@@ -185,11 +185,13 @@ def _train(plan: WorkerPlan) -> int:
             spec, plan.accelerator, plan.compile_cache, plan.replica_group, attempt
         )
         strategy.setup()
+        strategy.engine.start()  # across replica groups (fault_tolerance): joins the others
         recipe = load_recipe(spec.recipe.source, float8=spec.train.float8)
         Trainer(
             spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
         ).fit(plan.memory_estimate)
         strategy.barrier()  # nobody leaves the group while a peer still talks to it
+        strategy.engine.stop()
         strategy.teardown()
         return 0
     except BaseException as exc:
@@ -198,7 +200,7 @@ def _train(plan: WorkerPlan) -> int:
         else:  # the user's bug, or ours: the traceback is the message
             traceback.print_exc()
             errors.record_exception(exc)  # the elastic agent's root-cause file, as @record does
-        rank = strategy.log_rank if strategy is not None else _own_rank(plan)
+        rank = strategy.engine.log_rank if strategy is not None else _own_rank(plan)
         record_failure(plan.run_dir, rank)
         return exc.exit_code if isinstance(exc, LauncherError) else 1
 

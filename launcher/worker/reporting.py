@@ -80,7 +80,7 @@ class Reporter:
         rank 0 of the group that saves the step's checkpoint, which is every run's rank 0
         but under replica groups, whose each rank 0 would say the same (the group leading
         the quorum, another while it is lost)."""
-        if self.strategy.saves_checkpoints:
+        if self.strategy.engine.saves_checkpoints:
             self.say(text)
 
     def log(

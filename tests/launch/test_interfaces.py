@@ -94,6 +94,22 @@ def test_a_run_without_restarts_is_warned_that_it_only_shrinks(tmp_path: Path) -
     assert not make_plan(_spec(tmp_path, restarts=1)).notes
 
 
+def test_a_groups_ranks_devices_and_worker_plan_come_from_one_place(tmp_path: Path) -> None:
+    """Node 1 of 2, two groups of 2 processes each: groups 2 and 3 of 4, ranks 4-5 and 6-7,
+    on this machine's devices 0-1 and 2-3; the worker plan numbers their logs from there."""
+    spec = _spec(tmp_path, lighthouse_port=free_port())
+    spec = spec.model_copy(update={"launch": spec.launch.model_copy(update={"devices": 4})})
+    nodes = Nodes(min=2, max=2, node_rank=1, endpoint=f"127.0.0.1:{free_port()}", job_id="j")
+    plan = make_plan(spec, nodes=nodes)
+    groups = [plan.replica_group(local, "http://127.0.0.1:1") for local in range(2)]
+    assert [(g.index, g.count, g.local_index) for g in groups] == [(2, 4, 0), (3, 4, 1)]
+    assert [list(g.ranks) for g in groups] == [[4, 5], [6, 7]]
+    assert [g.first_device for g in groups] == [0, 2]
+    assert groups[1].global_rank(1) == 7
+    assert plan.worker_plan(groups[1]).rank_offset == 6
+    assert groups[0].events == str(plan.layout.fault_events.absolute())
+
+
 def test_the_groups_tell_their_own_members_from_a_stranger() -> None:
     token = "0f3c9a5e7d2b4c6a8e1f0d3b5a7c9e2f"
     group = ReplicaGroup(index=0, count=2, lighthouse="http://127.0.0.1:1", host="h", token=token)

@@ -1,4 +1,4 @@
-"""What a healing replica group receives (`launcher.parallel.peer_state`): the run's groups
+"""What a healing replica group receives (`launcher.replicas.peer_state`): the run's groups
 alone are answered, and what arrives is loaded as tensors and plain values, never as code."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from launcher.parallel.peer_state import PeerStateServer
+from launcher.replicas.peer_state import PeerStateServer
 
 TIMEOUT = timedelta(seconds=10)
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from launcher.rundir import fault_events
+from launcher.rundir.layout import RunLayout
 from tests.conftest import (
     finish_train,
     only_run_dir,
@@ -78,7 +79,7 @@ def test_a_killed_group_heals_from_a_live_one_and_the_groups_end_alike(
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     run_dir = only_run_dir(tmp_path / "runs")
-    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    events = fault_events.read(RunLayout(run_dir).fault_events)
     assert "replica group 1 (ranks" in output and "lost: restarting it" in output
     losses = fault_events.summarize(events)
     assert [loss["group"] for loss in losses] == [1], events
@@ -116,7 +117,7 @@ def test_a_group_lost_inside_the_all_reduce_voids_the_step_and_the_other_goes_on
     run_dir = only_run_dir(tmp_path / "runs")
     survivor = (run_dir / "logs" / "rank-0.log").read_text()
     assert "step 30 is void" in survivor and "taking it again" in survivor
-    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    events = fault_events.read(RunLayout(run_dir).fault_events)
     assert fault_events.groups_agree(events) is True
 
 
@@ -127,7 +128,7 @@ def test_a_group_that_keeps_failing_is_left_out_and_the_others_finish(tmp_path: 
     assert result.returncode == 0, output
     assert "replica group 1 failed 2 times (launch.max_restarts): the other groups go on" in output
     run_dir = only_run_dir(tmp_path / "runs")
-    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    events = fault_events.read(RunLayout(run_dir).fault_events)
     assert [e["group"] for e in events if e["event"] == "finished"] == [0], events
     outcome = json.loads((run_dir / "outcome.json").read_text())
     assert outcome["status"] == "finished" and outcome["replica_group_losses"][-1]["gave_up"]
@@ -139,7 +140,7 @@ def test_a_lost_lighthouse_stops_the_run_with_its_checkpoints_intact(tmp_path: P
     run_dir = _wait_for_checkpoint(tmp_path / "runs", proc)
     (lighthouse,) = [
         p for p in psutil.Process(proc.pid).children(recursive=True)
-        if "launcher.launch.lighthouse" in " ".join(p.cmdline())
+        if "launcher.replicas.lighthouse" in " ".join(p.cmdline())
     ]  # fmt: skip
     lighthouse.kill()
     result = finish_train(proc, tmp_path, 120)
@@ -273,7 +274,7 @@ def test_a_resume_from_disk_is_exact(tmp_path: Path) -> None:
         for args in steps:
             result = run_train(["--config", str(spec), *args], folder, 200, env={"KILL_AT": "0"})
             assert result.returncode == 0, result.stdout + result.stderr
-        events = fault_events.read(only_run_dir(folder / "runs") / "fault-tolerance.jsonl")
+        events = fault_events.read(RunLayout(only_run_dir(folder / "runs")).fault_events)
         ends.append(
             {(e["group"], e["step"], e["digest"]) for e in events if e["event"] == "finished"}
         )
@@ -303,7 +304,7 @@ def test_two_nodes_each_a_group_heal_across_machines(tmp_path: Path) -> None:
     for result in results:
         assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "t" / "job"  # the nodes share it: the job names it
-    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    events = fault_events.read(RunLayout(run_dir).fault_events)
     assert [loss["group"] for loss in fault_events.summarize(events)] == [1], events
     assert any(e["event"] == "healed" and e["group"] == 1 for e in events), events
     assert fault_events.groups_agree(events) is True, events
@@ -398,7 +399,7 @@ def test_a_group_lost_before_the_first_quorum_is_summed_up_apart_from_its_next_l
 
 
 def test_a_void_steps_reason_is_cut_at_a_word() -> None:
-    from launcher.parallel.fault_tolerant import _first_words
+    from launcher.replicas.torchft_engine import _first_words
 
     gloo = (
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error "
@@ -408,3 +409,39 @@ def test_a_void_steps_reason_is_cut_at_a_word() -> None:
     said = _first_words(gloo)
     assert said.endswith("to finish ...") and len(said) <= 164
     assert _first_words("timed out\ndetails") == "timed out"
+
+
+def test_each_process_writes_its_own_events_and_the_reader_merges_them(tmp_path: Path) -> None:
+    """No events file has two writers at once: each launcher and each process has its own,
+    in the run folder's events folder, read back as one list in time order."""
+    folder = RunLayout(tmp_path).fault_events
+    launcher, rank_2 = RunLayout.launcher_events(folder, 0), RunLayout.rank_events(folder, 2)
+    fault_events.record(rank_2, "quorum", group=1, step=3, groups=2, of=2)
+    time.sleep(0.002)  # times are kept to the millisecond
+    fault_events.record(launcher, "lost", group=1)
+    time.sleep(0.002)
+    fault_events.record(rank_2, "healed", group=1, step=9, heal_s=0.1)
+    follow = fault_events.NewEvents(folder)
+    assert [e["event"] for e in follow()] == ["quorum", "lost", "healed"]
+    assert follow() == []
+    with open(launcher, "a") as torn:  # a line still being written waits
+        torn.write('{"event": "gave_up"')
+    assert follow() == [] and [e["event"] for e in fault_events.read(folder)][-1] == "healed"
+    # A new attempt: this launcher's own files go, another node's stay; node 0 also removes
+    # those of writers the run no longer has.
+    other_node, gone = RunLayout.launcher_events(folder, 1), RunLayout.rank_events(folder, 9)
+    fault_events.record(other_node, "lost", group=3)
+    fault_events.record(gone, "quorum", group=4, step=1, groups=1, of=5)
+    fault_events.start_over(folder, [launcher, rank_2])
+    assert {p.name for p in folder.iterdir()} == {other_node.name, gone.name}
+    fault_events.start_over(folder, [launcher, rank_2], others=[other_node])
+    assert [p.name for p in folder.iterdir()] == [other_node.name]
+    assert fault_events.kept(folder) and not fault_events.kept(tmp_path / "none")
+
+
+def test_a_run_of_an_earlier_version_keeps_its_one_events_file(tmp_path: Path) -> None:
+    """`train runs` still counts the losses of a run that wrote fault-tolerance.jsonl."""
+    layout = RunLayout(tmp_path)
+    fault_events.record(tmp_path / "fault-tolerance.jsonl", "lost", group=1)
+    assert fault_events.kept(layout.fault_events)
+    assert [e["event"] for e in fault_events.read(layout.fault_events)] == ["lost"]

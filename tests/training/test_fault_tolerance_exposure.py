@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from launcher.rundir import fault_events
+from launcher.rundir.layout import RunLayout
 from tests.conftest import finish_train, start_train
 from tests.training.test_fault_tolerance import _spec, _wait_for_checkpoint
 
@@ -42,7 +43,9 @@ def _listening(pid: int) -> list[tuple[int, str, int]]:
 
 def _lighthouse(pid: int) -> str:
     """The address the run's own Lighthouse listens at, found as an outsider finds it."""
-    (light,) = [p for p in _run_tree(pid) if "launcher.launch.lighthouse" in " ".join(p.cmdline())]
+    (light,) = [
+        p for p in _run_tree(pid) if "launcher.replicas.lighthouse" in " ".join(p.cmdline())
+    ]
     (address,) = [s.laddr for s in light.net_connections(kind="inet") if s.status == "LISTEN"]
     return f"http://{address.ip}:{address.port}"
 
@@ -117,7 +120,7 @@ def test_a_stranger_in_the_quorum_stops_the_run_naming_it(tmp_path: Path) -> Non
     assert result.returncode == 1, output
     assert "a replica that is not one of this run's groups ('launcher_group_7:evil')" in output
     assert "checkpoints are intact (newest: step-" in output and "Traceback" not in output
-    events = fault_events.read(run_dir / "fault-tolerance.jsonl")
+    events = fault_events.read(RunLayout(run_dir).fault_events)
     strangers = [e for e in events if e["event"] == "stranger"]
     assert strangers and strangers[0]["replica"] == "launcher_group_7:evil", events
     seen = strangers[0]

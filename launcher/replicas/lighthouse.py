@@ -2,7 +2,7 @@
 (`fault_tolerance.lighthouse: auto`): a process of its own beside the launcher, so that its
 loss is a fault the launcher sees and reports, like a worker's.
 
-`python -m launcher.launch.lighthouse --bind ADDR ...` prints the address it listens at, then
+`python -m launcher.replicas.lighthouse --bind ADDR ...` prints the address it listens at, then
 serves until its parent (the launcher) ends.
 """
 
@@ -125,7 +125,7 @@ def started(options: FaultToleranceSection, bind: str, log: Path) -> Iterator[Li
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="launcher.launch.lighthouse")
+    parser = argparse.ArgumentParser(prog="launcher.replicas.lighthouse")
     parser.add_argument("--bind", required=True)
     parser.add_argument("--min-replicas", type=int, required=True)
     parser.add_argument("--heartbeat-timeout-ms", type=int, required=True)

@@ -118,7 +118,10 @@ class PeerStateServer(CheckpointTransport[dict[str, Any]]):
         request = urllib.request.Request(f"{metadata}{step}", headers={_TOKEN_HEADER: self._token})
         with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
             # Tensors and plain values only: torch's restricted unpickler builds nothing else.
-            return _streaming_load(response, map_location="cpu", weights_only=True)  # type: ignore[return-value]
+            state = _streaming_load(response, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"a live group sent no state ({type(state).__name__})")
+        return state
 
 
 class _Server(ThreadingHTTPServer):

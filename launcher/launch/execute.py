@@ -16,7 +16,6 @@ from rich.text import Text
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from launcher.checkpoint.catalog import latest_complete
 from launcher.errors import RunError
 from launcher.launch import failure_report, replica_groups
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
@@ -152,7 +151,7 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
 
 
 def _folder_gone(plan: LaunchPlan, console: Console) -> int:
-    latest = latest_complete(plan.run_dir)
+    latest = plan.store.latest()  # listed again: the run saved since the plan's listing
     said = (
         f"stopped: the run folder was deleted or moved; saved {latest} into a new one. "
         f"Continue with: --resume {plan.run_dir}"
@@ -164,7 +163,7 @@ def _folder_gone(plan: LaunchPlan, console: Console) -> int:
 
 
 def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
-    latest = latest_complete(plan.run_dir)
+    latest = plan.store.latest()  # listed again: the run saved since the plan's listing
     resume = "latest" if plan.nodes.job_id else str(plan.run_dir)
     if latest:
         end = f"; saved {latest}. Continue with: --resume {resume}"

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.text import Text
 
-from launcher.checkpoint.catalog import latest_complete
 from launcher.config.yaml_file import clip
 from launcher.launch import lighthouse, rendezvous
 from launcher.launch.agent import AgentThread, agent_config
@@ -146,7 +145,7 @@ class GroupsWatch(AgentWatch):
 
 def report_fault(fault: str, plan: LaunchPlan, console: Console) -> int:
     """The run stopped by a lost Lighthouse: where it can go on from."""
-    latest = latest_complete(plan.run_dir)
+    latest = plan.store.latest()  # listed again: the run saved since the plan's listing
     said = (
         f"checkpoints are intact (newest: {latest.name}). Continue with: --resume {plan.run_dir}"
         if latest

@@ -187,8 +187,9 @@ def _train(plan: WorkerPlan) -> int:
         strategy.setup()
         recipe = load_recipe(spec.recipe.source, float8=spec.train.float8)
         Trainer(
-            spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
-        ).fit(plan.memory_estimate)
+            spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file,
+            plan.store, plan.nodes_may_join,
+        ).fit(plan.memory_estimate)  # fmt: skip
         strategy.barrier()  # nobody leaves the group while a peer still talks to it
         strategy.teardown()
         return 0

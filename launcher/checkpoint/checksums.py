@@ -2,15 +2,17 @@
 are still those bytes, made before a resume loads it.
 
 A save records in the checkpoint's COMPLETE marker, which is written last
-(`launcher.checkpoint.store`), every file's size and SHA-256, hashed as the file is written
-(DCP's streams, `rank-N.pt`, `meta.json`: no second read), and where the store gives one, the
-object's own fingerprint from one listing after the uploads (S3's ETag). Before a resume the
-launcher lists the checkpoint once. A file of another size is damaged; one whose fingerprint is
-the recorded one is unchanged, and none of its bytes is read; any other (a disk has no
-fingerprint; an object rewritten, or copied elsewhere, has another) is read and hashed. So a
-checkpoint in a store, left as it was saved, costs one LIST; one on a disk, a read of every
-byte (BENCHMARKS.md). An empty marker, a checkpoint's from before checksums, records nothing
-to check. Torch-free: the launcher checks before it imports torch.
+(`write_meta_and_marker`, each store's `publish`), every file's size and SHA-256, hashed as the
+file is written (DCP's streams, `rank-N.pt`, `meta.json`: no second read), and where the store
+gives one, the object's own fingerprint from one listing after the uploads (S3's ETag). Before
+a resume the launcher takes each file's size and fingerprint from the listing of the store
+that found the checkpoint (or lists the checkpoint once, where it was named by its URL). A
+file of another size is damaged; one whose fingerprint is the recorded one is unchanged, and
+none of its bytes is read; any other (a disk has no fingerprint; an object rewritten, or
+copied elsewhere, has another) is read and hashed. So a checkpoint in a store, left as it was
+saved, costs no LIST of its own; one on a disk, a read of every byte (BENCHMARKS.md). An empty
+marker, a checkpoint's from before checksums, records nothing to check. Torch-free: the
+launcher checks before it imports torch.
 """
 
 from __future__ import annotations

@@ -239,8 +239,12 @@ def _kinds() -> dict[str, type[Store]]:
         imported = importlib.import_module(f"{stores.__name__}.{module.name}")
         for kind in vars(imported).values():
             own = isinstance(kind, type) and kind.__module__ == imported.__name__
-            if own and issubclass(kind, Store):
-                found |= dict.fromkeys(kind.schemes, kind)
+            own = own and issubclass(kind, Store)
+            # The schemes a kind names itself: a subclass takes none of its base's.
+            for scheme in vars(kind).get("schemes", ()) if own else ():
+                if scheme in found:
+                    raise TypeError(f"{kind} and {found[scheme]} both take {scheme!r}")
+                found[scheme] = kind
     return found
 
 

@@ -3,10 +3,9 @@
 A pruned local checkpoint is first unpublished, renamed atomically to a hidden
 `.step-N.deleting` folder (`LocalStore.remove`, `launcher.checkpoint.stores.local_folder`),
 then deleted: a crash mid-delete never leaves a half checkpoint that still looks complete. A
-launcher killed between
-the two leaves that hidden folder behind, as large as a checkpoint; the next launcher of the run
-folder removes it once it holds the folder's lock, which says that no other live launcher
-prunes there. Torch-free: the launcher calls it before it starts a worker.
+launcher killed between the two leaves that hidden folder behind, as large as a checkpoint; the
+next launcher of the run folder removes it once it holds the folder's lock, which says that no
+other live launcher prunes there. Torch-free: the launcher calls it before it starts a worker.
 """
 
 from __future__ import annotations

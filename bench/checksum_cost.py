@@ -36,9 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from s3_loopback import s3_on_loopback  # noqa: E402
 
-from launcher.checkpoint.catalog import Catalog  # noqa: E402
 from launcher.checkpoint.checksums import changed_file, marker_text  # noqa: E402
-from launcher.checkpoint.store import LocalStore, ObjectStore  # noqa: E402
+from launcher.checkpoint.store import store_at  # noqa: E402
 from launcher.checkpoint.writers import local_writer, store_writer  # noqa: E402
 from launcher.storage_url import location  # noqa: E402
 
@@ -71,7 +70,7 @@ def publish(store: Any, folder: Any, writer: Any) -> None:
 
 def disk(state: dict[str, Any], repeats: int, root: Path) -> dict[str, Any]:
     plain, hashed, checks = [], [], []
-    store = LocalStore(Catalog(root))
+    store = store_at(root)  # a folder's: LocalStore
     for i in range(repeats):
         folder = root / f"plain-{i}"
         folder.mkdir()
@@ -90,7 +89,7 @@ def s3(state: dict[str, Any], repeats: int, url: str) -> dict[str, Any]:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     root = location(url)
-    store = ObjectStore(Catalog(root))
+    store = store_at(root)  # a URL's: ObjectStore
     plain, hashed, checks, downloads = [], [], [], []
     for i in range(repeats):
         plain.append(save(state, FsspecWriter(f"{url}/plain-{i}", sync_files=False)))

@@ -42,7 +42,7 @@ _WARM = [
     "launcher.clusters.nodes",
     "launcher.launch.execute",
     "launcher.launch.plan",
-    "launcher.launch.resume_decision",
+    "launcher.checkpoint.resume_decision",
     "tests.forked_train",
 ]
 

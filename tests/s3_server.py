@@ -8,7 +8,8 @@ run in the middle of a save, with some files of a checkpoint in the store and no
 `truncated_gets` answers downloads of chosen objects (a path's ending) with half their bytes
 under the whole one's Content-Length, as a connection cut mid-body does; `failing_paths` answers
 every request whose path or query holds one of its texts (a listing names its prefix in the
-query) with HTTP 500, which clients retry, then give up on."""
+query) with HTTP 500, which clients retry, then give up on. `requests` logs every request as
+`METHOD /path?query`, in the order they came (a listing is `GET /bucket?list-type=2...`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class S3Server(moto_server.ThreadedMotoServer):
         self.refused_puts: set[str] = set()
         self.truncated_gets: set[str] = set()
         self.failing_paths: set[str] = set()
+        self.requests: list[str] = []
         # Unique per server: a test greps a run's files for them.
         self.env = {
             "AWS_ACCESS_KEY_ID": f"key-{secrets.token_hex(6)}",
@@ -71,6 +73,7 @@ class S3Server(moto_server.ThreadedMotoServer):
         def held(environ: dict[str, Any], start_response: Any) -> Any:
             path, method = environ.get("PATH_INFO", ""), environ["REQUEST_METHOD"]
             query = unquote(environ.get("QUERY_STRING", ""))
+            self.requests.append(f"{method} {path}?{query}")
             if any(text in f"{path}?{query}" for text in self.failing_paths):
                 start_response("500 Internal Server Error", [("Content-Type", "application/xml")])
                 return [] if method == "HEAD" else [_INTERNAL_ERROR]

@@ -112,23 +112,32 @@ def test_imports_go_one_way(path: Path) -> None:
         assert not others, f"{path} ({room}) imports another process's code: {others}"
         if room == "runs":  # `train runs` and `train plot` answer without torch
             heavy = imported & {"parallel", "checkpoint"}
-            if heavy == {"checkpoint"}:  # its catalogue alone, which is torch-free
+            if heavy == {"checkpoint"}:  # its stores and catalogue alone, which are torch-free
                 names = _imported_names(path.read_text())
                 heavy = {n for n in names if n.startswith("launcher.checkpoint")}
-                heavy -= {"launcher.checkpoint.catalog", *_names_in_catalog()}
+                heavy -= {*_TORCH_FREE, *_names_in(*_TORCH_FREE)}
             assert not heavy, f"{path} imports torch's rooms"
 
 
-def _names_in_catalog() -> set[str]:
-    """`launcher.checkpoint.catalog.X` for each name the catalogue defines."""
-    tree = ast.parse((PACKAGE / "checkpoint" / "catalog.py").read_text())
-    defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
-    return {f"launcher.checkpoint.catalog.{name}" for name in defined}
+# What `train runs` may read of the checkpoint room: the stores and the catalogue.
+_TORCH_FREE = ("launcher.checkpoint.store", "launcher.checkpoint.catalog")
+
+
+def _names_in(*modules: str) -> set[str]:
+    """`module.X` for each name each of `modules` defines."""
+    names = set()
+    for module in modules:
+        tree = ast.parse((REPO / f"{module.replace('.', '/')}.py").read_text())
+        defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+        names |= {f"{module}.{name}" for name in defined}
+    return names
 
 
 def test_the_catalogue_that_train_runs_reads_imports_no_torch() -> None:
+    """Nor does any kind of store, which a listing imports (`kind_for`)."""
     code = (
         "import sys, launcher.checkpoint.catalog, launcher.runs.catalog; "
+        "from launcher.checkpoint.store import _kinds; _kinds(); "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -431,12 +440,12 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
 
 
 def test_the_resume_is_decided_in_one_module() -> None:
-    """The launcher decides a resume once, in `launch/resume_decision.py`: only there are the
+    """The launcher decides a resume once, in `checkpoint/resume_decision.py`: only there are the
     rule (`resume_point`), the damage check and the spec merge called. The rule's own module
     calls itself for a worker's restarted attempt (`attempt_start`, the worker's one way in)
     and checks the record it reads for `--resume best` (`_best_of`)."""
     asked = {"resume_point", "spec_on_resume", "refuse_damaged"}
-    decision = "launch/resume_decision.py"
+    decision = "checkpoint/resume_decision.py"
     rule_itself = {
         ("checkpoint/selection.py", "attempt_start", "resume_point"),  # a restarted attempt
         ("checkpoint/selection.py", "_best_of", "refuse_damaged"),  # best's record, whole
@@ -530,3 +539,39 @@ def test_the_circle_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _import_circles(graph) == [["a", "b", "c"]]
     assert _import_circles({"a": {"b"}, "b": set()}) == []
+
+
+# The store's modules: the one place that asks what kind a checkpoint location is.
+_STORE_MODULES = {
+    "checkpoint/store.py",
+    *(f"checkpoint/stores/{p.name}" for p in (PACKAGE / "checkpoint" / "stores").glob("*.py")),
+}
+
+
+def test_only_the_store_asks_whether_a_location_is_remote() -> None:
+    """`checkpoint.dir` is resolved into one store object, which says how its storage lists,
+    reads and publishes (issue 54): nothing else asks whether a location is a URL, which is
+    how a path and a store were once told apart in 7 modules."""
+    asking = {
+        str(path.relative_to(PACKAGE))
+        for path in MODULES
+        if re.search(r"\bis_remote\(", path.read_text())
+    }
+    assert asking - {"storage_url.py"} <= _STORE_MODULES, asking
+    assert "checkpoint/store.py" in asking  # `kind_for`
+
+
+def test_every_module_of_the_stores_is_one_kind_a_location_finds() -> None:
+    """A new kind of store is one module of `checkpoint/stores/` (docs/architecture.md, "A
+    checkpoint store"): its class names the schemes it takes, and `kind_for` finds it."""
+    from launcher.checkpoint.store import Store, _kinds, kind_for
+    from launcher.storage_url import location
+
+    modules = {p.stem for p in (PACKAGE / "checkpoint" / "stores").glob("*.py")} - {"__init__"}
+    kinds = _kinds()
+    assert {kind.__module__.rsplit(".", 1)[-1] for kind in kinds.values()} == modules
+    assert all(issubclass(kind, Store) for kind in kinds.values())
+    assert kind_for(Path("runs/x/checkpoints")).__name__ == "LocalStore"
+    assert not kind_for(Path("runs")).remote
+    for url in ("s3://bucket/run", "file:///tmp/store"):
+        assert kind_for(location(url)).__name__ == "ObjectStore" and kind_for(location(url)).remote

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from launcher.checkpoint.catalog import catalog_of, step_of
 from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.format import (
     check_matches,
@@ -35,7 +34,7 @@ from launcher.checkpoint.format import (
 )
 from launcher.checkpoint.save_failure import causes, failing_save
 from launcher.checkpoint.state import LoopState, ModelState
-from launcher.checkpoint.store import reader, store_for, torch_bytes
+from launcher.checkpoint.store import Store, kind_for, step_of, store_of_run
 from launcher.errors import RunError
 from launcher.parallel.base import Strategy, local_shard
 from launcher.parallel.dims import ParallelDims
@@ -77,9 +76,10 @@ class Checkpointer:
         *,
         keep_last: int | None = None,
         use_async: bool = False,
+        store: Store | None = None,
     ) -> None:
-        self.catalog = catalog_of(run_dir)
-        self.store = store_for(self.catalog)
+        # Where checkpoints go: the worker plan's store (else the one the run folder records).
+        self.store = store or store_of_run(run_dir)
         self.store.start_attempt(strategy, run_dir)  # before the first save, not at it
         self.strategy = strategy
         self.run_dir = run_dir
@@ -168,8 +168,8 @@ class Checkpointer:
     def load(self, path: Any) -> bool:
         """Collective: restores every state from the checkpoint at `path` (a folder or a URL).
         Returns whether this rank's own streams continue (False: saved with another world
-        size). A checkpoint of this run's own catalogue is never pruned by this attempt."""
-        if path in self.catalog.complete():
+        size). A checkpoint of this run's own store is never pruned by this attempt."""
+        if path in self.store.complete():
             self.protected.add(step_of(path) or 0)
             self._newest = path
         state = self.model.state_dict()
@@ -233,14 +233,14 @@ class Checkpointer:
     def _publish(
         self, staging: Any, step: int, meta: dict[str, Any], started: float, writer: Any
     ) -> None:
-        self._newest = self.catalog.checkpoint(step)
+        self._newest = self.store.checkpoint(step)
         if not self.strategy.is_main:
             return
         self.store.publish(staging, step, json.dumps(meta), writer)
         self.write_times.append(time.perf_counter() - started)
         # The best checkpoints as of this one are kept whatever their age.
         best = [step for step, _ in (meta.get("best") or {}).get("kept", [])]
-        for old in self.catalog.prunable(self.keep_last, protected={*best, *self.protected}):
+        for old in self.store.prunable(self.keep_last, protected={*best, *self.protected}):
             self.store.remove(old)
 
 
@@ -279,7 +279,7 @@ def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any]
     flat = loaded_keys(flat)
     with _quiet_dcp():
         planner = strategy.planners().load or weights_only_planner()
-        source = reader(path)  # a store's; DCP picks its own for a folder
+        source = kind_for(path).reader(path)  # a store's; DCP picks its own for a folder
         dcp.load(
             flat, checkpoint_id=None if source else path, storage_reader=source, planner=planner
         )
@@ -289,6 +289,12 @@ def load(path: Any, state: dict[str, Any], strategy: Strategy) -> dict[str, Any]
         return None
     with open_file(CheckpointFiles(path).rank_state(strategy.rank)) as file:
         return torch.load(io.BytesIO(file.read()), weights_only=True)
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def _held_elsewhere(state: dict[str, Any], strategy: Strategy) -> frozenset[str]:

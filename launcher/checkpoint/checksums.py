@@ -2,15 +2,17 @@
 are still those bytes, made before a resume loads it.
 
 A save records in the checkpoint's COMPLETE marker, which is written last
-(`launcher.checkpoint.store`), every file's size and SHA-256, hashed as the file is written
-(DCP's streams, `rank-N.pt`, `meta.json`: no second read), and where the store gives one, the
-object's own fingerprint from one listing after the uploads (S3's ETag). Before a resume the
-launcher lists the checkpoint once. A file of another size is damaged; one whose fingerprint is
-the recorded one is unchanged, and none of its bytes is read; any other (a disk has no
-fingerprint; an object rewritten, or copied elsewhere, has another) is read and hashed. So a
-checkpoint in a store, left as it was saved, costs one LIST; one on a disk, a read of every
-byte (BENCHMARKS.md). An empty marker, a checkpoint's from before checksums, records nothing
-to check. Torch-free: the launcher checks before it imports torch.
+(`write_meta_and_marker`, each store's `publish`), every file's size and SHA-256, hashed as the
+file is written (DCP's streams, `rank-N.pt`, `meta.json`: no second read), and where the store
+gives one, the object's own fingerprint from one listing after the uploads (S3's ETag). Before
+a resume the launcher takes each file's size and fingerprint from the listing of the store
+that found the checkpoint (or lists the checkpoint once, where it was named by its URL). A
+file of another size is damaged; one whose fingerprint is the recorded one is unchanged, and
+none of its bytes is read; any other (a disk has no fingerprint; an object rewritten, or
+copied elsewhere, has another) is read and hashed. So a checkpoint in a store, left as it was
+saved, costs no LIST of its own; one on a disk, a read of every byte (BENCHMARKS.md). An empty
+marker, a checkpoint's from before checksums, records nothing to check. Torch-free: the
+launcher checks before it imports torch.
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from launcher.checkpoint.save_failure import first_cause
+from launcher.checkpoint.store import Files, kind_for
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import UnreadableJson, open_file, parse_json
 from launcher.safe_text import clean
-from launcher.storage_url import is_remote
 
-# What each store's listing calls its own fingerprint of an object's contents: S3's ETag (an
-# MD5, or an MD5 of the parts' MD5s), GCS's md5Hash, Azure's etag. The first one found counts.
-_FINGERPRINTS = ("ETag", "md5Hash", "etag")
 _CHUNK = 8 << 20
 # Files hashed at once: hashlib and file reads release the GIL, so threads use the cores.
 _HASHING_THREADS = min(8, os.cpu_count() or 1)
@@ -90,6 +89,15 @@ def fingerprints(folder: Any) -> dict[str, str]:
     return {name: print_ for name, (_, print_) in _listed(folder).items() if print_ is not None}
 
 
+def write_meta_and_marker(store: Any, where: Any, meta: str, writer: Any) -> None:
+    """meta.json, then the COMPLETE marker, which lists every file of the checkpoint with its
+    checksum: a store's `publish`. `writer`: the save's, which recorded every file it wrote."""
+    files, data = CheckpointFiles(where), meta.encode()
+    store.write_file(files.meta, data)
+    recorded = {**writer.files, files.meta.name: entry_of(data)}
+    store.write_file(files.marker, marker_text(recorded, writer.listed))
+
+
 def marker_text(files: dict[str, dict[str, Any]], listed: dict[str, str]) -> bytes:
     """The COMPLETE marker of a checkpoint whose files are `files` ({name: entry_of's record}),
     with the store's fingerprints `listed` ({name: fingerprint}) where it gave them."""
@@ -119,17 +127,18 @@ def recorded_files(checkpoint: Any) -> dict[str, dict[str, Any]] | None:
     return files
 
 
-def changed_file(checkpoint: Any) -> str | None:
+def changed_file(checkpoint: Any, listed: Files | None = None) -> str | None:
     """What differs from the record of the checkpoint's files, naming the first file that
     does; None where every recorded file is as it was saved, or nothing is recorded.
-    Unreadable where the storage does not serve a file it must read."""
+    Unreadable where the storage does not serve a file it must read. `listed`: its files as
+    a listing of its store just gave them (`Listing.files_of`), which spares a second one."""
     try:
         files = recorded_files(checkpoint)
     except UnreadableJson as exc:
         return f"{Path(str(exc.path)).name}: {exc.reason}"
     if not files:
         return None
-    listed, to_hash = _listing(checkpoint), []
+    listed, to_hash = (_listing(checkpoint) if listed is None else listed), []
     for name, saved in sorted(files.items()):
         if name not in listed:
             return f"{name} is missing"
@@ -148,23 +157,13 @@ def changed_file(checkpoint: Any) -> str | None:
     return None
 
 
-def _listed(folder: Any) -> dict[str, tuple[int, str | None]]:
+def _listed(folder: Any) -> Files:
     """{name: (size, the store's fingerprint or None)} of the files directly in `folder`, from
     one listing of what the storage holds now."""
-    if not is_remote(folder):
-        with os.scandir(folder) as entries:
-            return {e.name: (e.stat().st_size, None) for e in entries if e.is_file()}
-    folder.fs.invalidate_cache(folder.path)  # a writer's file system may cache listings
-    found = {}
-    for info in folder.fs.ls(folder.path, detail=True):
-        if info.get("type") == "file":
-            value = next((info[key] for key in _FINGERPRINTS if info.get(key)), None)
-            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            found[name] = (int(info.get("size") or 0), value if isinstance(value, str) else None)
-    return found
+    return kind_for(folder).files_in(folder)
 
 
-def _listing(checkpoint: Any) -> dict[str, tuple[int, str | None]]:
+def _listing(checkpoint: Any) -> Files:
     try:
         return _listed(checkpoint)
     except Exception as exc:  # each store's client raises its own types

@@ -8,19 +8,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.checkpoint.catalog import catalog_of, run_of
+from launcher.checkpoint.catalog import run_of
 from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.format import damage
+from launcher.checkpoint.store import Files, store_of_run
 from launcher.errors import UsageError
 
 
 def refuse_damaged(
-    checkpoint: Path, what: str = "", check: Callable[[Path], str | None] = damage
+    checkpoint: Path,
+    what: str = "",
+    check: Callable[[Path], str | None] | None = None,
+    listed: Files | None = None,
 ) -> None:
     """`what` says what the checkpoint is to the user, when it is not the one they named;
-    `check` what must be whole (by default, all of it)."""
+    `check` what must be whole (by default, all of it: `format.damage`, which takes the
+    checkpoint's files as the listing that found it gave them, `listed`, where it did)."""
     try:
-        problem = check(checkpoint)
+        problem = check(checkpoint) if check else damage(checkpoint, listed)
     except Unreadable as exc:
         raise UsageError(
             f"{what or f'--resume {checkpoint}:'} {exc}",
@@ -36,7 +41,7 @@ def refuse_damaged(
 
 def newest_intact(run_dir: Path, excluding: Path | None = None) -> Path | None:
     """The newest complete checkpoint of a run folder that is not damaged (other than `excluding`)."""
-    for checkpoint in reversed(catalog_of(run_dir).complete()):
+    for checkpoint in reversed(store_of_run(run_dir).complete()):
         if checkpoint != excluding and _is_intact(checkpoint):
             return checkpoint
     return None
@@ -54,7 +59,7 @@ def _what_to_resume_instead(damaged: Path) -> str:
     intact = newest_intact(run, excluding=damaged) if run else None
     if intact is None:
         return "Its run has no intact checkpoint to resume instead; start anew without --resume."
-    if run and intact == catalog_of(run).latest():
+    if run and intact == store_of_run(run).latest():
         return f"The newest intact checkpoint is {intact}: continue with --resume {intact}"
     # Continuing in place from an older checkpoint than the run's newest (the damaged one)
     # would overwrite checkpoints; the launcher never deletes one.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.checkpoint.catalog import Best
+from launcher.checkpoint.store import Best
 from launcher.checkpoint.weights_source import FORMATS
 from launcher.checkpoint.whole_model import ModelRead, RecipeModel, human_bytes, read_model
 from launcher.errors import UsageError

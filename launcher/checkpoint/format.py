@@ -16,12 +16,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint.checksums import Unreadable, changed_file
+from launcher.checkpoint.checksums import changed_file
+from launcher.checkpoint.store import Files, kind_for
 from launcher.errors import UsageError
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import UnreadableFile, UnreadableJson, open_file, read_json
 from launcher.safe_text import clean
-from launcher.storage_url import is_remote
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -105,32 +105,25 @@ def _load_metadata(path: Path) -> Any:
             raise pickle.UnpicklingError("it claims more memory than there is") from None
 
 
-def damage(path: Path) -> str | None:
+def damage(path: Path, listed: Files | None = None) -> str | None:
     """What keeps the complete checkpoint at `path` from loading, naming the file; None when it
     is whole. DCP's data files must exist and hold every byte that `.metadata` places in them;
     meta.json and every rank's rank-N.pt must load; and every file must match the checksum its
     save recorded, where it recorded them (`launcher.checkpoint.checksums`), which finds what
     loads but is not what was saved. `checksums.Unreadable` where the storage does not serve a
-    file (a store's error, a body cut short)."""
-    try:
-        metadata = _load_metadata(path)
-    except FileNotFoundError:
-        return ".metadata is missing"
-    except _CORRUPT as exc:
-        return f".metadata: corrupt or unsafe checkpoint metadata ({clean(str(exc))})"
-    except Exception as exc:  # a store's error, a body cut short; a disk's stays as it is
-        if not is_remote(path):
-            raise
-        raise Unreadable.reading(CheckpointFiles(path).dcp_metadata, exc) from exc
-    try:
+    file (a store's error, a body cut short). `listed`: its files, where the listing that
+    found it gave them."""
+    kind = kind_for(path)
+    with kind.reading(CheckpointFiles(path).dcp_metadata):
+        try:
+            metadata = _load_metadata(path)
+        except FileNotFoundError:
+            return ".metadata is missing"
+        except _CORRUPT as exc:
+            return f".metadata: corrupt or unsafe checkpoint metadata ({clean(str(exc))})"
+    with kind.reading(path):  # a store's listing or stat that failed
         storage = getattr(metadata, "storage_data", None)
-        return _data_damage(path, storage) or _state_damage(path) or changed_file(path)
-    except Unreadable:
-        raise
-    except Exception as exc:  # a store's listing or stat that failed
-        if not is_remote(path):
-            raise
-        raise Unreadable.reading(path, exc) from exc
+        return _data_damage(path, storage) or _state_damage(path) or changed_file(path, listed)
 
 
 def _data_damage(path: Path, storage: Any) -> str | None:
@@ -192,14 +185,11 @@ def meta_damage(path: Path) -> str | None:
 
 def _meta_or_damage(path: Path) -> tuple[str | None, int]:
     """What keeps meta.json from being read (or None), and the world size it records."""
-    try:
-        meta = read_meta(path)
-    except UnreadableJson as exc:
-        return f"{CheckpointFiles(path).meta.name}: {exc.reason}", 0
-    except Exception as exc:  # a store's error, a body cut short
-        if not is_remote(path):
-            raise
-        raise Unreadable.reading(CheckpointFiles(path).meta, exc) from exc
+    with kind_for(path).reading(CheckpointFiles(path).meta):  # a store's error, a body cut short
+        try:
+            meta = read_meta(path)
+        except UnreadableJson as exc:
+            return f"{CheckpointFiles(path).meta.name}: {exc.reason}", 0
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
         return "meta.json does not record the world size the checkpoint was saved with", 0
@@ -221,13 +211,8 @@ def _state_damage(path: Path) -> str | None:
             return f"{name} is missing"
         except UnreadableFile as exc:
             return f"{name} is {exc.reason}"
-        with file:
-            try:
-                data = file.read()
-            except Exception as exc:  # a store's error, a body cut short
-                if not is_remote(path):
-                    raise
-                raise Unreadable.reading(files.rank_state(rank), exc) from exc
+        with file, kind_for(path).reading(files.rank_state(rank)):
+            data = file.read()  # a store's error, a body cut short: Unreadable
             try:
                 torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as exc:  # torch raises a different type for each way it breaks

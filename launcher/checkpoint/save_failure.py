@@ -22,7 +22,6 @@ from launcher.checkpoint.bucket import bucket_is_gone, bucket_of
 from launcher.errors import RunError
 from launcher.rundir.layout import CheckpointFiles
 from launcher.safe_text import clean
-from launcher.storage_url import is_remote
 
 # A write that fails with less than this free is taken for a full disk.
 NEARLY_FULL_BYTES = 16 * 2**20
@@ -103,9 +102,9 @@ def failing_save(store: Any, step: int, run_dir: Path, newest: Any = None) -> It
         limit = limit_hit(exc)
         if limit is not None:
             raise _explained(limit, store, step, run_dir, removed=not where.exists()) from exc
-        if not is_remote(where) or isinstance(exc, KeyboardInterrupt | SystemExit):
+        if not store.remote or isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        if bucket_is_gone(store.catalog.root):
+        if bucket_is_gone(store.root):
             raise _bucket_gone(store, step, newest) from exc
         raise _upload_failed(exc, store, step, run_dir, left) from exc
 
@@ -117,7 +116,7 @@ def _remove_unpublished(store: Any, where: Any) -> str | None:
         if not CheckpointFiles(where).is_complete:
             store.discard(where)
     except Exception as exc:  # each store's client raises its own types
-        if not is_remote(where):
+        if not store.remote:
             raise
         return first_cause(exc)
     return None
@@ -139,7 +138,7 @@ def _upload_failed(
     """A save to a store that failed after its client's own retries. `left`: why what was
     written of it could not be removed, if it could not."""
     try:
-        newest = store.catalog.latest()
+        newest = store.latest()
         kept = (
             f"earlier checkpoints are intact (newest: {newest.name})"
             if newest
@@ -147,7 +146,7 @@ def _upload_failed(
         )
     except Exception:  # a listing that fails too: say nothing of the others
         newest, kept = None, "earlier checkpoints could not be listed"
-    where = store.catalog.checkpoint(step)
+    where = store.checkpoint(step)
     removed = (
         "what was written of it was removed"
         if left is None
@@ -156,7 +155,7 @@ def _upload_failed(
     )
     then = f"continue with --resume {run_dir}" if newest else "run again"
     return RunError(
-        f"checkpoint {where.name} could not be written to {store.catalog.root} "
+        f"checkpoint {where.name} could not be written to {store.root} "
         f"({first_cause(exc)}); {kept}, and {removed}",
         hint=f"Check the store, its credentials and checkpoint.storage_options, then {then}.",
     )
@@ -165,14 +164,14 @@ def _upload_failed(
 def _bucket_gone(store: Any, step: int, newest: Any) -> RunError:
     """A save into a bucket deleted since the run started: the launcher never creates one
     (`launcher.checkpoint.bucket`), and what the bucket held went with it."""
-    root = store.catalog.root
+    root = store.root
     lost = (
         f"{newest.name}, the newest checkpoint, may be lost with it"
         if newest is not None
         else "no checkpoint of this run was saved yet"
     )
     return RunError(
-        f"checkpoint {store.catalog.checkpoint(step).name} could not be written: the bucket "
+        f"checkpoint {store.checkpoint(step).name} could not be written: the bucket "
         f"{bucket_of(root)} of {root} no longer exists; {lost}",
         hint="The launcher never creates a bucket (a new one would take the store's default "
         "region, encryption and policies). Restore the bucket (and its checkpoints, if kept "
@@ -182,7 +181,7 @@ def _bucket_gone(store: Any, step: int, newest: Any) -> RunError:
 
 def _explained(limit: OSError, store: Any, step: int, run_dir: Path, removed: bool) -> RunError:
     what, fix = _LIMITS[limit.errno or errno.ENOSPC]
-    newest = store.catalog.latest()
+    newest = store.latest()
     kept = (
         f"earlier checkpoints are intact (newest: {newest.name})"
         if newest
@@ -195,7 +194,7 @@ def _explained(limit: OSError, store: Any, step: int, run_dir: Path, removed: bo
     )
     then = f"continue with --resume {run_dir}" if newest else "run again"
     return RunError(
-        f"{what} while writing checkpoint {store.catalog.checkpoint(step).name} to "
-        f"{store.catalog.root}; {kept}, and {left}",
+        f"{what} while writing checkpoint {store.checkpoint(step).name} to "
+        f"{store.root}; {kept}, and {left}",
         hint=f"{fix}, then {then}.",
     )

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.checkpoint.catalog import Best, catalog_of, checkpoint_in, run_of
+from launcher.checkpoint.catalog import checkpoint_in, run_of
 from launcher.checkpoint.checksums import Unreadable
 from launcher.checkpoint.format import read_metadata, weights_only_planner
 from launcher.checkpoint.save_failure import first_cause
-from launcher.checkpoint.store import reader
+from launcher.checkpoint.store import Best, kind_for, store_of_run
 from launcher.errors import UsageError
 from launcher.parallel.wrapper_names import without_wrappers
 from launcher.rundir.layout import CheckpointFiles
@@ -102,7 +102,7 @@ def resolve_source(source: Path, *, best: bool = False) -> tuple[Path, Best | No
         if run is None:
             raise UsageError(f"{COMMAND} {source} --best: this checkpoint is not in a run folder")
         try:
-            chosen = catalog_of(run).best()
+            chosen = store_of_run(run).best()
         except UnreadableJson as exc:  # its newest checkpoint's record of the best ones
             raise UsageError(f"{COMMAND} {source} --best: {exc.message}") from None
         if chosen is None:
@@ -243,7 +243,7 @@ def read_tensors(
         # torch_xla 2.9's SPMD planner (`load.weights` under xla_fsdp), on its own old calls.
         warnings.filterwarnings("ignore", message="Using a non-tuple sequence")
         try:
-            source = reader(checkpoint)  # a store's; DCP picks its own for a folder
+            source = kind_for(checkpoint).reader(checkpoint)  # None: DCP picks its own
             where = {"storage_reader": source} if source else {"checkpoint_id": checkpoint}
             dcp.load(state, planner=planner, no_dist=True, **where)
         except unreadable as exc:

@@ -24,11 +24,11 @@ from launcher.cli.options import (
 from launcher.errors import UsageError
 
 if TYPE_CHECKING:
+    from launcher.checkpoint.resume_decision import ResumeDecision
     from launcher.clusters.nodes import Nodes
     from launcher.config.loader import SpecLayers
     from launcher.config.spec import RunSpec
     from launcher.launch.plan import LaunchPlan
-    from launcher.launch.resume_decision import ResumeDecision
 
 
 def run_command(
@@ -165,7 +165,7 @@ def spec_given(
 ) -> tuple[RunSpec, dict[str, str], ResumeDecision | None]:
     """The spec the command line describes: its YAML file's, or without `--config` the spec
     of the run `--resume` names; either way with its overrides and flags. Without `--config`
-    the resume is decided here, once, for the plan (`launcher.launch.resume_decision`)."""
+    the resume is decided here, once, for the plan (`launcher.checkpoint.resume_decision`)."""
     from launcher.config.loader import spec_from_layers
 
     if layers.config is not None:
@@ -181,7 +181,7 @@ def spec_given(
             f"--resume {resume}: needs --config, whose run.name says which runs are this one's",
             hint="Or give the run's folder, or one of its checkpoints: --resume runs/NAME/STAMP",
         )
-    from launcher.launch.resume_decision import decide_resume
+    from launcher.checkpoint.resume_decision import decide_resume
 
     decided = decide_resume(None, resume=resume, run_dir=run_dir, job_id=job_id, layers=layers)
     return decided.spec, decided.sources, decided

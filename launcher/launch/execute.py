@@ -16,7 +16,6 @@ from rich.text import Text
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from launcher.checkpoint.catalog import latest_complete
 from launcher.errors import RunError
 from launcher.launch import failure_report
 from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
@@ -155,7 +154,7 @@ def _conclude(outcome: Outcome, plan: LaunchPlan, console: Console) -> Ending:
 def _fault(plan: LaunchPlan, console: Console) -> int:
     """The run stopped by a fault its coordinator saw (a lost Lighthouse, a stranger in the
     quorum), said already: where it can go on from."""
-    latest = latest_complete(plan.run_dir)
+    latest = plan.store.latest()  # listed again: the run saved since the plan's listing
     said = (
         f"checkpoints are intact (newest: {latest.name}). Continue with: --resume {plan.run_dir}"
         if latest
@@ -166,7 +165,7 @@ def _fault(plan: LaunchPlan, console: Console) -> int:
 
 
 def _folder_gone(plan: LaunchPlan, console: Console) -> int:
-    latest = latest_complete(plan.run_dir)
+    latest = plan.store.latest()  # listed again: the run saved since the plan's listing
     said = (
         f"stopped: the run folder was deleted or moved; saved {latest} into a new one. "
         f"Continue with: --resume {plan.run_dir}"
@@ -178,7 +177,7 @@ def _folder_gone(plan: LaunchPlan, console: Console) -> int:
 
 
 def _stopped(outcome: Outcome, plan: LaunchPlan, console: Console) -> int:
-    latest = latest_complete(plan.run_dir)
+    latest = plan.store.latest()  # listed again: the run saved since the plan's listing
     resume = "latest" if plan.nodes.job_id else str(plan.run_dir)
     if latest:
         end = f"; saved {latest}. Continue with: --resume {resume}"

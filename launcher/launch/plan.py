@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.checkpoint.resume_decision import ResumeDecision, decide_resume
+from launcher.checkpoint.store import Store, store_at
 from launcher.checkpoint.weights_source import KEY, check_weights
 from launcher.clusters.kubernetes import NPROC_PER_NODE
 from launcher.clusters.nodes import Nodes
@@ -25,7 +27,6 @@ from launcher.launch.devices import Devices, resolve_accelerator, resolve_device
 from launcher.launch.interfaces import address_towards, is_loopback, socket_interface_env
 from launcher.launch.ranks import parse_ranks
 from launcher.launch.rendezvous import LOOPBACK
-from launcher.launch.resume_decision import ResumeDecision, decide_resume
 from launcher.metrics.trackers import check_trackers_usable
 from launcher.parallel import float8
 from launcher.parallel.dims import resolve_dims
@@ -66,6 +67,14 @@ class LaunchPlan:
     # fault_tolerance: the run's secret, which its replica groups' servers ask of a request
     # (`ReplicaGroup.token`); every node of a run has the same.
     replica_token: str = ""
+    # Where checkpoints go, resolved once with the resume (`resume_decision`); None: the run
+    # folder's `checkpoints/` (`store`).
+    checkpoint_store: Store | None = None
+
+    @property
+    def store(self) -> Store:
+        """Where the run's checkpoints go: `checkpoint.dir`'s store, or the run folder's."""
+        return self.checkpoint_store or store_at(self.layout.checkpoints)
 
     @property
     def folder_label(self) -> str:
@@ -147,6 +156,8 @@ class LaunchPlan:
             # A replica group's agent numbers its processes from 0, as a TPU host's does.
             rank_offset=self.rank_offset + (group.ranks.start if group else 0),
             resume_from=self.resume_from,
+            store=self.store.describe(),
+            nodes_may_join=self.nodes.multi,
             compile_cache=self._compile_cache(),
             config_file=self.config_file,
             memory_estimate=self.memory_estimate,
@@ -208,7 +219,6 @@ def make_plan(
         spec, resume=resume, run_dir=run_dir, job_id=nodes.job_id, layers=layers, sources=sources
     )
     spec, sources, resume_from = decision.spec, decision.sources, decision.checkpoint
-    spec = _store_named(spec, decision.run_dir)
     _check_no_tpu_nodes(spec, nodes)
     accelerator = resolve_accelerator(spec.launch.accelerator, spec.launch.strategy)
     _check_options(spec, accelerator)
@@ -245,6 +255,7 @@ def make_plan(
         run_dir_given=run_dir is not None,
         listen=listen,
         replica_token=_replica_token(nodes) if spec.fault_tolerance.enabled else "",
+        checkpoint_store=decision.store,
     )
 
 
@@ -281,15 +292,6 @@ def _replica_token(nodes: Nodes) -> str:
     if given:
         return given
     return hashlib.sha256(f"{nodes.job_id}|{nodes.endpoint}".encode()).hexdigest()[:32]
-
-
-def _store_named(spec: RunSpec, run_dir: Path) -> RunSpec:
-    """The spec with `checkpoint.dir`'s `{run}` filled in: spec.yaml, the workers and every
-    checkpoint's record name the store itself, so a resume continues in it."""
-    url = spec.checkpoint.store_url(run_dir.name)
-    if url is None or url == spec.checkpoint.dir:
-        return spec
-    return spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": url})})
 
 
 def _weights_found(spec: RunSpec, resume_from: Path | None) -> RunSpec:

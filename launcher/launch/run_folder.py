@@ -6,16 +6,16 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.checkpoint.catalog import record_store
+from launcher.checkpoint import folder_choice
+from launcher.checkpoint.catalog import Listings
 from launcher.checkpoint.pruning import finish_cut_short
+from launcher.checkpoint.store import record_store
 from launcher.config.loader import spec_to_yaml
 from launcher.config.sources import annotate_yaml
 from launcher.errors import UsageError
-from launcher.launch import folder_choice
 from launcher.launch.plan import LaunchPlan
 from launcher.rundir import lock as run_lock
 from launcher.rundir.atomic import write_atomic
-from launcher.storage_url import location
 
 _SPEC_HEADER = """\
 # The spec this run ran with, every key: `train --config` reads it as it is. A comment names
@@ -34,7 +34,11 @@ def prepare_run_dir(plan: LaunchPlan) -> run_lock.RunLock:
     lock = run_lock.take(plan.layout) if plan.writes_shared_files else run_lock.RunLock()
     try:
         if plan.writes_shared_files:
-            folder_choice.check_unchanged(plan.run_dir, plan.resume_from, plan.nodes.job_id)
+            # Listed again, under the lock: the plan's listing is from before it.
+            listings = Listings()
+            listings.take(plan.run_dir, plan.store)
+            job = plan.nodes.job_id
+            folder_choice.check_unchanged(plan.run_dir, plan.resume_from, job, listings)
             if freed := finish_cut_short(plan.layout, lock):
                 print(f"note: {freed}", file=sys.stderr, flush=True)
         _write_files(plan)
@@ -82,10 +86,10 @@ def _write_files(plan: LaunchPlan) -> None:
         layout.logs.mkdir(exist_ok=True)
         layout.telemetry_dir.mkdir(exist_ok=True)
         plan.node_dir.mkdir(parents=True, exist_ok=True)
-        if (url := plan.spec.checkpoint.store_url(plan.run_dir.name)) is not None:
-            # Every node's own record: nodes need not share the run folder then.
-            options = plan.spec.checkpoint.storage_options
-            record_store(plan.run_dir, location(url, options, "checkpoint.dir"))
+        if plan.store.remote:
+            # Every node's own record, for the readers that find a run by its folder (the
+            # workers are told by their plan): nodes need not share the run folder then.
+            record_store(plan.run_dir, plan.store.root)
         elif plan.writes_shared_files:
             _check_writable(layout.checkpoints)
     except OSError as exc:

@@ -1,5 +1,5 @@
 """The run folder: every path inside it (which of its checkpoints are which:
-`launcher.checkpoint.catalog`).
+`launcher.checkpoint.store`).
 
 This module is the one owner of the layout; no other module joins run-folder path parts.
 
@@ -26,7 +26,7 @@ This module is the one owner of the layout; no other module joins run-folder pat
       .outcome.reserve           room for outcome.json, held while the run runs
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
       checkpoint-store.json      where checkpoints go instead when checkpoint.dir names a store
-                                 (launcher.checkpoint.catalog reads both)
+                                 (launcher.checkpoint.store reads both)
       nodes/NAME/                a node's (or TPU host's) own files when several share RUN_DIR
       xla_cache/                 XLA's persistent compile cache (TPU)
       compile_cache/             torch.compile's (inductor's) cache (train.compile)
@@ -292,7 +292,7 @@ class RunLayout:
 
 
 # The names inside a folder of checkpoints (the run folder's `checkpoints/`, or a store's
-# prefix: `launcher.checkpoint.catalog`).
+# prefix: `launcher.checkpoint.store`).
 _STEP = re.compile(r"^step-(\d{8,})$")
 _DELETING = re.compile(r"^\.step-\d{8,}\.deleting$")  # CheckpointFiles.unpublished
 

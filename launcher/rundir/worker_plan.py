@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.rundir.atomic import write_atomic
 from launcher.rundir.reading import read_json
-from launcher.storage_url import is_remote, location
+from launcher.storage_url import location
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -124,9 +124,17 @@ class WorkerPlan:
     xla_spawn: str | None = None
     rank_offset: int = 0  # a TPU pod host's first global rank: its agent numbers from 0
     # The checkpoint the run's first attempt starts from, as the launcher decided it once
-    # (`launcher.launch.resume_decision`); a restarted attempt asks the rule again
+    # (`launcher.checkpoint.resume_decision`); a restarted attempt asks the rule again
     # (`launcher.checkpoint.selection.attempt_start`).
     resume_from: Any = None  # a Path, or a UPath in a store (launcher.storage_url)
+    # Where checkpoints go, as the launcher resolved `checkpoint.dir` once: the store's
+    # description (`launcher.checkpoint.store.Store.describe`: its location and storage
+    # options), from which each worker builds it. None: the run folder's `checkpoints/`.
+    store: dict[str, Any] | None = None
+    # Whether nodes may join the run (several nodes): torch's agent then restarts a healthy
+    # attempt to take one in, and a first attempt must look for a newer checkpoint than
+    # `resume_from`; a run of one machine's never does, and lists nothing to start.
+    nodes_may_join: bool = True
     compile_cache: Path | None = None  # XLA's (TPUs only) or inductor's (train.compile)
     # The YAML file as this launch read it: every checkpoint records it for the next resume.
     config_file: dict[str, Any] | None = None
@@ -168,4 +176,4 @@ def _absolute(place: Any) -> str | None:
     as it is."""
     if place is None:
         return None
-    return str(place) if is_remote(place) else str(Path(place).absolute())
+    return str(place.absolute())  # a UPath's is itself

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.checkpoint.catalog import Catalog, step_of, store_root
+from launcher.checkpoint.store import step_of, store_of_run
 from launcher.errors import LauncherError
 from launcher.metrics.progress import Progress, monitored, read_progress
 from launcher.metrics.telemetry import read_beat
@@ -193,10 +193,10 @@ def _newest_checkpoint(
     if store is not None:
         return store.newest, store
     try:
-        root = store_root(run_dir)
+        store = store_of_run(run_dir)
     except LauncherError:  # a damaged record of the store
         return None, None
-    return Catalog(root).latest(), None
+    return store.latest(), None
 
 
 def run_status(layout: RunLayout) -> tuple[str, RunOutcome | None]:

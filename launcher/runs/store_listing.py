@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint.catalog import Catalog, store_root
+from launcher.checkpoint.store import Store, store_of_run
 from launcher.errors import LauncherError, UsageError
-from launcher.storage_url import is_remote, location, storage_options
+from launcher.storage_url import storage_options
 
 STORE_WAIT_S = 5.0  # without any answer
 STORE_WAIT_MAX_S = 30.0  # in all
@@ -50,25 +50,25 @@ def ask_stores(run_dirs: Iterable[Path]) -> dict[Path, StoreAnswer]:
     """The answer of its store for each run of `run_dirs` that keeps its checkpoints in one
     (the others are not in it). A store still silent when the listing gives up is left to
     its thread, which nobody waits for: `train runs` ends without it."""
-    roots = {run: root for run in run_dirs if (root := _store_of(run)) is not None}
-    asked: queue.SimpleQueue[tuple[Path, Any]] = queue.SimpleQueue()
-    for item in roots.items():
+    stores = {run: store for run in run_dirs if (store := _store_of(run)) is not None}
+    asked: queue.SimpleQueue[tuple[Path, Store]] = queue.SimpleQueue()
+    for item in stores.items():
         asked.put(item)
     answered: queue.SimpleQueue[tuple[Path, StoreAnswer]] = queue.SimpleQueue()
 
     def answer_some() -> None:
         while True:
             try:
-                run, root = asked.get_nowait()
+                run, store = asked.get_nowait()
             except queue.Empty:
                 return
-            answered.put((run, _ask(root)))
+            answered.put((run, _ask(store)))
 
-    for _ in range(min(_THREADS, len(roots))):
+    for _ in range(min(_THREADS, len(stores))):
         threading.Thread(target=answer_some, name="store-listing", daemon=True).start()
     answers: dict[Path, StoreAnswer] = {}
     end = time.monotonic() + STORE_WAIT_MAX_S
-    while len(answers) < len(roots):
+    while len(answers) < len(stores):
         wait = min(STORE_WAIT_S, end - time.monotonic())
         try:
             run, answer = answered.get(timeout=max(0.0, wait))
@@ -78,32 +78,33 @@ def ask_stores(run_dirs: Iterable[Path]) -> dict[Path, StoreAnswer]:
     waited = STORE_WAIT_MAX_S if time.monotonic() >= end else STORE_WAIT_S
     silent = f"no answer within {waited:g} s"
     return {
-        run: answers.get(run) or StoreAnswer(str(root), problem=silent)
-        for run, root in roots.items()
+        run: answers.get(run) or StoreAnswer(str(store.root), problem=silent)
+        for run, store in stores.items()
     }
 
 
-def _store_of(run_dir: Path) -> Any | None:
+def _store_of(run_dir: Path) -> Store | None:
     """The run's store, set to answer quickly; None: its checkpoints are in its run folder,
     or its record of the store is damaged (its checkpoint is then unknown, as before)."""
     try:
-        root = store_root(run_dir)
+        store = store_of_run(run_dir)
     except LauncherError:
         return None
-    if not is_remote(root):
+    if not store.remote:
         return None
-    quick = _QUICK_LISTING.get(getattr(root, "protocol", ""))
+    quick = _QUICK_LISTING.get(getattr(store.root, "protocol", ""))
     if not quick:
-        return root
-    options = storage_options(root)
+        return store
+    options = storage_options(store.root)
     for key, settings in quick.items():
         options[key] = {**(options.get(key) or {}), **settings}
-    return location(str(root), options, "checkpoint.dir")
+    return store.with_options(options)
 
 
-def _ask(root: Any) -> StoreAnswer:
+def _ask(store: Store) -> StoreAnswer:
+    root = store.root
     try:
-        return StoreAnswer(str(root), newest=Catalog(root).latest())
+        return StoreAnswer(str(root), newest=store.latest())
     except UsageError as exc:  # the catalogue says why, after the store's URL
         reason = exc.message.partition(f"{root}: ")[2] or exc.message
         return StoreAnswer(str(root), problem=_QUERY.sub("", reason))

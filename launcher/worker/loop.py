@@ -11,6 +11,7 @@ import torch
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.checkpoint.selection import attempt_start
 from launcher.checkpoint.state import ModelState
+from launcher.checkpoint.store import store_described, store_of_run
 from launcher.checkpoint.weights import load_weights
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
@@ -54,21 +55,21 @@ class Trainer:
         attempt: int = 0,  # restarts of the run so far (torch.distributed.elastic's count)
         resume_from: Path | None = None,  # the launcher's decision, for the first attempt
         config_file: dict[str, Any] | None = None,  # the YAML file as read, for checkpoints
+        store: dict[str, Any] | None = None,  # the plan's store (None: the run folder's)
+        nodes_may_join: bool = True,  # the plan's: a first attempt may be one restarted
     ) -> None:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
+        self.store = store_described(store) if store else store_of_run(run_dir)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
         writes = strategy.engine.writes_records
         sinks = build_sinks(spec, run_dir) if writes else []
         self.telemetry = Telemetry(run_dir, strategy.engine.log_rank, writes, attempt, sinks)
         self.telemetry.beat(0)
         strategy.rng.seed(spec.run.seed)
-        # A restarted attempt asks the rule again, and rank 0's answer wins: nodes started
-        # again, and nodes that restarted their workers, may each have seen another newest.
         # A restarted replica group heals from a live one instead (`_reload` where none is).
         healing = bool(attempt) and strategy.engine.heals_from_peers
-        start = None if healing else attempt_start(resume_from, run_dir, attempt)
-        self.resume_from = strategy.control.from_main(start)
+        self.resume_from = None if healing else self._start(resume_from, nodes_may_join)
         if attempt:
             note = restart_note(attempt, spec.launch.max_restarts, self.resume_from, healing)
             print(note, flush=True)
@@ -100,6 +101,7 @@ class Trainer:
             self.state,
             keep_last=spec.checkpoint.keep_last,
             use_async=spec.checkpoint.async_,
+            store=self.store,
         )
         strategy.engine.share_state(model_state, self.state, self._reload)
 
@@ -117,12 +119,19 @@ class Trainer:
         load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
         return model
 
+    def _start(self, decided: Path | None, nodes_may_join: bool = True) -> Path | None:
+        """Collective: the checkpoint this attempt starts from (`attempt_start`), rank 0's
+        answer: nodes started again, and nodes that restarted their workers, may each have
+        seen another newest. The others never list the store for it."""
+        ask = self.strategy.is_main
+        root, attempt = self.layout.root, self.attempt
+        start = attempt_start(decided, root, attempt, self.store, nodes_may_join) if ask else None
+        return self.strategy.control.from_main(start)
+
     def _reload(self) -> bool:
         """Collective: restores the newest complete checkpoint, where there is one (a
         restarted replica group with no live group to heal from); whether it did."""
-        newest = self.strategy.control.from_main(
-            attempt_start(None, self.layout.root, self.attempt)
-        )
+        newest = self._start(None)
         where = f"resuming from {newest}" if newest else "no checkpoint yet: starting over"
         self._say(f"no replica group is ahead of this one to copy from: {where}")
         if newest is None:
@@ -250,9 +259,7 @@ class Trainer:
         """How the run ended, for the trackers: stopped where it was asked to stop (to be
         resumed) before its last step."""
         stopped = self.stop_requested and self.progress.step < self.total_steps
-        best = (
-            self.checkpointer.catalog.best() if self.state.best and self.strategy.is_main else None
-        )
+        best = self.checkpointer.store.best() if self.state.best and self.strategy.is_main else None
         return RunEnd("stopped" if stopped else "finished", str(best.path) if best else None)
 
     def _after_step(self) -> bool:
@@ -322,10 +329,10 @@ class Trainer:
             self.progress.step,
             self.memory,
             {**self.strategy.summary(), **self.strategy.engine.summary()},
-            best=self.checkpointer.catalog.best() if self.state.best else None,
+            best=self.checkpointer.store.best() if self.state.best else None,
             skipped=self.state.nonfinite.skipped,
             # Another replica group's saves may land after this line: it names none.
-            last=self.checkpointer.catalog.latest()
+            last=self.checkpointer.store.latest()
             if self.strategy.engine.saves_checkpoints
             else None,
             written=self.checkpointer.write_times,
@@ -431,7 +438,7 @@ class Trainer:
         """Collective: ends the run with exit 1, naming what went bad and where; the saves
         under way (all of finite weights) are published first."""
         self.checkpointer.close()
-        raise self.state.nonfinite.failure(self.checkpointer.catalog.latest())
+        raise self.state.nonfinite.failure(self.checkpointer.store.latest())
 
     def _say(self, text: str, every_rank: bool = False) -> None:
         self.report.say(text, every_rank)

@@ -188,8 +188,9 @@ def _train(plan: WorkerPlan) -> int:
         strategy.engine.start()  # across replica groups (fault_tolerance): joins the others
         recipe = load_recipe(spec.recipe.source, float8=spec.train.float8)
         Trainer(
-            spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file
-        ).fit(plan.memory_estimate)
+            spec, recipe, strategy, plan.run_dir, attempt, plan.resume_from, plan.config_file,
+            plan.store, plan.nodes_may_join,
+        ).fit(plan.memory_estimate)  # fmt: skip
         strategy.barrier()  # nobody leaves the group while a peer still talks to it
         strategy.engine.stop()
         strategy.teardown()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from launcher.checkpoint.catalog import Best
+from launcher.checkpoint.store import Best
 from launcher.config.spec import RunSpec
 from launcher.metrics.telemetry import Telemetry
 from launcher.parallel.base import Strategy

@@ -47,7 +47,7 @@ def restore(
         say(note)
     if state.best is not None:
         # Best checkpoints are of this run folder (a branch starts its own record).
-        note = state.best.retain(checkpointer.catalog.complete_steps())
+        note = state.best.retain(checkpointer.store.complete_steps())
         if note:
             say(note)
     if same_world:

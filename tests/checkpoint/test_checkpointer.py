@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launcher.checkpoint import checkpointer as checkpoint
-from launcher.checkpoint.catalog import Catalog
+from launcher.checkpoint.store import store_at
 from launcher.parallel.ddp import DDPStrategy
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 
@@ -82,7 +82,7 @@ def test_publish_and_prune_only_complete_checkpoints(tmp_path: Path, strategy, u
         saver.save(step)
         saver.before_update()
     saver.close()
-    names = [p.name for p in Catalog(RunLayout(tmp_path).checkpoints).complete()]
+    names = [p.name for p in store_at(RunLayout(tmp_path).checkpoints).complete()]
     assert names == ["step-00000002", "step-00000003"]
     assert not list((tmp_path / "checkpoints").glob(".*partial"))
     assert (
@@ -193,7 +193,7 @@ def test_a_store_publishes_by_marker_and_prunes_it_first(
     """The object store's rules, through fsspec's own local file system (`file://`): no rename,
     the marker last; a half-written folder is never taken, and the next attempt clears it as
     it starts; the checkpoint an attempt resumed from is never pruned."""
-    from launcher.checkpoint.catalog import record_store
+    from launcher.checkpoint.store import record_store
     from launcher.storage_url import location
 
     root = location(f"file://{tmp_path}/store")
@@ -206,10 +206,10 @@ def test_a_store_publishes_by_marker_and_prunes_it_first(
     half = tmp_path / "store" / "step-00000002"
     half.mkdir()
     (half / "__1_0.distcp").write_bytes(b"an upload cut short")  # no COMPLETE: not taken
-    assert [p.name for p in saver.catalog.complete()] == ["step-00000001"]
+    assert [p.name for p in saver.store.complete()] == ["step-00000001"]
     saver = _saver(strategy, tmp_path / "run", state, keep_last=1, use_async=use_async)
     assert not half.exists()  # the next attempt cleared it as it started
-    assert saver.load(saver.catalog.checkpoint(1))  # resumed from step 1: never pruned
+    assert saver.load(saver.store.checkpoint(1))  # resumed from step 1: never pruned
     for step in (2, 3):
         state["model"] = {"w": torch.full((4,), float(step))}
         saver.save(step)
@@ -220,4 +220,4 @@ def test_a_store_publishes_by_marker_and_prunes_it_first(
         "step-00000003",
     ]
     assert not (tmp_path / "run" / "checkpoints").exists()
-    assert _load(saver.catalog.checkpoint(3), torch.zeros(4), strategy).tolist() == [3.0] * 4
+    assert _load(saver.store.checkpoint(3), torch.zeros(4), strategy).tolist() == [3.0] * 4

@@ -1,4 +1,4 @@
-"""The resume, decided once in the launcher (`launcher.launch.resume_decision`): the run folder,
+"""The resume, decided once in the launcher (`launcher.checkpoint.resume_decision`): the run folder,
 the checkpoint, the spec and its changes, in one value that the plan carries to the workers. A
 worker's first attempt starts from it as it is; only a restarted attempt asks the rule again
 (`launcher.checkpoint.selection.attempt_start`)."""
@@ -14,13 +14,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from launcher.checkpoint import selection
+from launcher.checkpoint.resume_decision import decide_resume
 from launcher.checkpoint.selection import attempt_start
 from launcher.config.loader import cli_layers
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch import plan as plan_module
 from launcher.launch.plan import make_plan
-from launcher.launch.resume_decision import decide_resume
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
 from tests.conftest import bare_spec

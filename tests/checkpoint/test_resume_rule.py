@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoint import catalog
-from launcher.checkpoint.catalog import catalog_of
+from launcher.checkpoint import store
 from launcher.checkpoint.selection import ResumeRequest, resume_point
+from launcher.checkpoint.store import store_of_run
 from launcher.errors import UsageError
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.reading import UnreadableJson
@@ -102,7 +102,7 @@ def test_best_looks_again_when_a_live_run_prunes_the_newest_checkpoint(
     run_dir = tmp_path / "run"
     best = _checkpoint(run_dir, 2)
     pruned = _checkpoint(run_dir, 4, best=[2])
-    read_json = catalog.read_json
+    read_json = store.read_json
 
     def read_as_the_run_prunes(path: Path, kind: str) -> object:
         if path.parent == pruned and pruned.exists():
@@ -110,13 +110,13 @@ def test_best_looks_again_when_a_live_run_prunes_the_newest_checkpoint(
             pruned.rename(pruned.with_name(f".{pruned.name}.deleting"))  # as pruning does
         return read_json(path, kind)
 
-    monkeypatch.setattr(catalog, "read_json", read_as_the_run_prunes)
-    found = catalog_of(run_dir).best()
+    monkeypatch.setattr(store, "read_json", read_as_the_run_prunes)
+    found = store_of_run(run_dir).best()
     assert found is not None and (found.path, found.step) == (best, 2)
     # Still published without its meta.json, the newest checkpoint is damaged, not pruned.
     (RunLayout(run_dir).checkpoint(6) / "meta.json").unlink()
     with pytest.raises(UnreadableJson, match=r"step-00000006/meta.json: missing"):
-        catalog_of(run_dir).best()
+        store_of_run(run_dir).best()
 
 
 def test_a_path_names_a_checkpoint_or_a_run_folder(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_a_jobs_latest_is_its_own_folder(tmp_path: Path) -> None:
 # The modules that ask for a resume point, and what they ask: the launcher's decision, once,
 # and a worker's restarted attempt. None of them may work one out itself. (The launcher's
 # supervisor needs none: each heartbeat says the step its process started from.)
-ASKERS = {"launch/resume_decision.py": "resume_point", "worker/loop.py": "attempt_start"}
+ASKERS = {"checkpoint/resume_decision.py": "resume_point", "worker/loop.py": "attempt_start"}
 
 
 def _decides_a_resume_point(tree: ast.AST) -> list[int]:

@@ -347,7 +347,7 @@ def test_plot_draws_a_loss_of_plus_and_minus_1e308(runs: tuple[Path, dict], tmp_
 def _stored_run(output_dir: Path, name: str, url: str, **options: str) -> Path:
     """A run folder as a launcher leaves one whose checkpoints go to the store `url`: its spec
     and its record of the store (with `options`, a storage_options the spec gave)."""
-    from launcher.checkpoint.catalog import record_store
+    from launcher.checkpoint.store import record_store
     from launcher.storage_url import location
 
     run = output_dir / name / "r1"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoint.catalog import Catalog
 from launcher.checkpoint.selection import ResumeRequest, resume_point
+from launcher.checkpoint.store import store_at
 from launcher.config.spec import CheckpointSection, EarlyStopSection
 from launcher.errors import RunError, UsageError
 from launcher.rundir.layout import CheckpointFiles, RunLayout
@@ -72,7 +72,7 @@ def _checkpoints(run: Path, steps: list[int], best: list[list[float]]) -> RunLay
 
 def test_pruning_keeps_the_newest_and_the_best(tmp_path: Path) -> None:
     layout = _checkpoints(tmp_path, [10, 20, 30, 40], best=[[20, 0.1], [10, 0.2]])
-    catalog = Catalog(layout.checkpoints)
+    catalog = store_at(layout.checkpoints)
     assert catalog.prunable(None, {20}) == []
     assert catalog.prunable(1, {20}) == [layout.checkpoint(10), layout.checkpoint(30)]
     assert catalog.prunable(2, {10, 20}) == []
@@ -81,7 +81,7 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path: Path) -> None:
 def test_best_is_read_from_the_newest_checkpoint_and_skips_pruned_ones(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     layout = _checkpoints(runs / "t" / "a", [10, 30], best=[[20, 0.1], [10, 0.2]])
-    best = Catalog(layout.checkpoints).best()
+    best = store_at(layout.checkpoints).best()
     assert best is not None and (best.step, best.score) == (10, 0.2)  # 20 was pruned
     assert resume_point(ResumeRequest("best", runs, "t")) == layout.checkpoint(10)
     _checkpoints(runs / "t" / "b", [5], best=[])  # the newest run: no best checkpoint

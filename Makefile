@@ -66,8 +66,8 @@ test-other-torch:
 # compared with one ddp reference (tests/parallel/layouts.py) run in one session, to share it.
 DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/parallel/test_memory_estimate.py \
-	tests/training/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
-	tests/training/test_fault_tolerance.py tests/training/test_fault_tolerance_exposure.py \
+	tests/worker/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
+	tests/replicas/test_fault_tolerance.py tests/replicas/test_fault_tolerance_exposure.py \
 	tests/launch/test_multinode.py \
 	tests/checkpoint/test_object_store.py
 

@@ -100,6 +100,23 @@ def test_one_room_per_concept_and_few_loose_modules() -> None:
     assert {p.name for p in (PACKAGE / "worker").glob("*.py")} >= {"main.py", "loop.py"}
 
 
+def test_the_test_folders_mirror_the_rooms() -> None:
+    """A room's tests are in the folder of its name (`tests/data/` holds their files)."""
+    tests = REPO / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {"data"} == set(ROOMS)
+
+
+def test_the_launch_room_holds_supervision_and_the_display_alone() -> None:
+    """`launch/` is the `train` process's supervision and its display: 20 modules at most. The
+    resume decision and the folder choice are the checkpoint room's, the replica groups'
+    coordinators the replicas room's; a concept that grows up beside supervision gets a room."""
+    modules = [p for p in (PACKAGE / "launch").rglob("*.py") if p.name != "__init__.py"]
+    assert len(modules) <= 20, sorted(str(p.relative_to(PACKAGE)) for p in modules)
+    moved = {"resume_decision.py", "folder_choice.py", "lighthouse.py", "replica_groups.py"}
+    assert not {p.name for p in modules} & moved
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_go_one_way(path: Path) -> None:
     room, imported = _room(path), _rooms_past_replica_doors(path)
@@ -403,7 +420,7 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "launch/test_leftovers.py": (both, "a build that starts processes"),
         "launch/test_loader_hangs.py": ("build_dataset loss", "a val split that hangs"),
         "launch/test_log_stream.py": ("build_model", "a build that prints control bytes"),
-        "launch/test_worker_plan.py": ("build_model", "a build that changes directory"),
+        "rundir/test_worker_plan.py": ("build_model", "a build that changes directory"),
         "launch/test_worker_signals.py": ("build_dataset", "samples that are worker pids"),
         "parallel/test_buffers.py": ("build_model build_dataset", "BatchNorm, off-centre data"),
         "parallel/layouts.py": ("loss", "the GPT's loss recording each process's batches"),
@@ -411,16 +428,16 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "parallel/test_fsdp.py": (every, "a model whose init the meta device loses"),
         "parallel/test_fsdp_init.py": (every, "a CNN on images, inits fsdp must repeat"),
         "parallel/test_pipeline_hf.py": (every, "a T5 the pipeline refuses; a hook that fails"),
-        "training/test_collate.py": ("build_dataset loss", "the varlen recipe's batches"),
-        "training/test_flops.py": (both, "a build and a loss that count their calls"),
-        "training/test_fault_tolerance.py": ("loss", "a loss that kills its replica group"),
-        "training/test_loader_workers.py": ("build_dataset loss", "varlen in loader workers"),
-        "training/test_nonfinite.py": (both, "a loss that turns NaN"),
-        "training/test_param_groups.py": ("build_model", "frozen, decayed and norm parameters"),
-        "training/test_rank_randomness.py": ("loss", "a loss that records random draws"),
-        "training/test_stream_resume.py": ("build_dataset", "a stream with a shuffle buffer"),
-        "training/test_streaming.py": ("build_dataset loss", "streams; a loss that records ids"),
-        "training/test_train_e2e.py": (every, "a recipe outside the repo, importing a sibling"),
+        "worker/test_collate.py": ("build_dataset loss", "the varlen recipe's batches"),
+        "worker/test_flops.py": (both, "a build and a loss that count their calls"),
+        "replicas/test_fault_tolerance.py": ("loss", "a loss that kills its replica group"),
+        "worker/test_loader_workers.py": ("build_dataset loss", "varlen in loader workers"),
+        "worker/test_nonfinite.py": (both, "a loss that turns NaN"),
+        "worker/test_param_groups.py": ("build_model", "frozen, decayed and norm parameters"),
+        "worker/test_rank_randomness.py": ("loss", "a loss that records random draws"),
+        "worker/test_stream_resume.py": ("build_dataset", "a stream with a shuffle buffer"),
+        "worker/test_streaming.py": ("build_dataset loss", "streams; a loss that records ids"),
+        "worker/test_train_e2e.py": (every, "a recipe outside the repo, importing a sibling"),
     }
     defining = re.compile(r"\bdef (build_model|build_dataset|loss)\s*\(")
     found = {}

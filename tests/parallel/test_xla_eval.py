@@ -12,7 +12,7 @@ from recipes import mlp
 from tests.conftest import metrics_of
 from tests.parallel.test_xla import _spec, _summary, _train, needs_xla
 from tests.tiny_recipes import tiny_recipe, write_recipe
-from tests.training.test_nonfinite import NAN_HOOKS
+from tests.worker.test_nonfinite import NAN_HOOKS
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.xla]
 N = 501  # batches of 8 per device: the last one holds 21 samples

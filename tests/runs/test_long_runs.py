@@ -22,7 +22,7 @@ from launcher.runs.catalog import FALLBACK_METRICS_BYTES, describe_run
 from launcher.runs.metrics_file import read_records, series
 from launcher.runs.metrics_scan import curves, downsample
 from launcher.runs.plot import Panel, draw_in_terminal, load_panels, save_figure
-from tests.metrics.test_metrics_file import _resumed_run
+from tests.runs.test_metrics_file import _resumed_run
 
 pytestmark = pytest.mark.launcher_only
 

@@ -19,7 +19,7 @@ import pytest
 from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout
 from tests.conftest import finish_train, start_train
-from tests.training.test_fault_tolerance import _spec, _wait_for_checkpoint
+from tests.replicas.test_fault_tolerance import _spec, _wait_for_checkpoint
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(240)

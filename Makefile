@@ -44,6 +44,9 @@ lint: env
 # The two suites run side by side: each spends much of its time waiting on processes it
 # started (startup, rendezvous, signals), and together they keep 2 cores busy; each one's
 # output is shown whole when it ends.
+# The slowest tests each suite names at its end: `make test DURATIONS=0` names them all.
+DURATIONS ?= 8
+
 test: lint
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-dev test-other-torch
 
@@ -72,16 +75,16 @@ DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/checkpoint/test_object_store.py
 
 test-dev: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=8 tests $(DEV_BESIDE:%=--ignore=%)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) tests $(DEV_BESIDE:%=--ignore=%)
 
 test-dev-beside: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=4 $(DEV_BESIDE)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(DEV_BESIDE)
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
 # launcher runs there too (the whole suite there would not fit in make test's 25 minutes).
 test-xla: env-xla
-	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=8 -m "(xla or smoke) and not launcher_only" tests
+	PJRT_DEVICE=CPU LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) -m "(xla or smoke) and not launcher_only" tests
 
 # One end-to-end run of each main path (tests marked smoke) on every other supported torch.
 test-smoke: env-smoke

@@ -156,7 +156,9 @@ class LaunchPlan:
             # A replica group's agent numbers its processes from 0, as a TPU host's does.
             rank_offset=self.rank_offset + (group.ranks.start if group else 0),
             resume_from=self.resume_from,
-            store=self.store.describe(),
+            # The run folder's own `checkpoints/` goes without saying: the worker finds it
+            # from `run_dir`, wherever the folder is (a copied plan's too).
+            store=self.store.describe() if self.store.remote else None,
             nodes_may_join=self.nodes.multi,
             compile_cache=self._compile_cache(),
             config_file=self.config_file,

@@ -11,7 +11,7 @@ import torch
 from launcher.checkpoint import checkpointer as checkpoint
 from launcher.checkpoint.selection import attempt_start
 from launcher.checkpoint.state import ModelState
-from launcher.checkpoint.store import store_described, store_of_run
+from launcher.checkpoint.store import store_at, store_described
 from launcher.checkpoint.weights import load_weights
 from launcher.config.spec import RunSpec
 from launcher.metrics import memory
@@ -60,7 +60,7 @@ class Trainer:
     ) -> None:
         self.spec, self.recipe, self.strategy, self.attempt = spec, recipe, strategy, attempt
         self.layout = RunLayout(run_dir)
-        self.store = store_described(store) if store else store_of_run(run_dir)
+        self.store = store_described(store) if store else store_at(self.layout.checkpoints)
         # First, so that the hang watchdog sees this process alive while it builds and restores.
         writes = strategy.engine.writes_records
         sinks = build_sinks(spec, run_dir) if writes else []

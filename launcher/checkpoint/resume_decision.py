@@ -23,13 +23,12 @@ from launcher.checkpoint.catalog import Listings
 from launcher.checkpoint.damage import refuse_damaged
 from launcher.checkpoint.format import read_meta, recorded_spec
 from launcher.checkpoint.selection import ResumeRequest, resume_point
-from launcher.checkpoint.store import Store, store_at
+from launcher.checkpoint.store import Store, store_at, store_of_run
 from launcher.checkpoint.store_check import check_reachable
 from launcher.config.loader import SpecLayers
 from launcher.config.resume import Change, ResumedSpec, spec_on_resume
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
-from launcher.rundir.layout import RunLayout
 from launcher.storage_url import location
 
 
@@ -204,8 +203,8 @@ def _take_store(
     holds checkpoints is continued only from its newest (a job's requeue, a resume):
     anything else would mix two runs' checkpoints and prune the other's."""
     url = spec.checkpoint.store_url(run_dir.name)
-    if url is None:
-        store = store_at(RunLayout(run_dir).checkpoints)
+    if url is None:  # the store a resumed run's folder records (checkpoints off), or its own
+        store = store_of_run(run_dir)
         listings.take(run_dir, store)
         return store
     store = store_at(location(url, spec.checkpoint.storage_options, "checkpoint.dir"))

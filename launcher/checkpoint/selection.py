@@ -108,7 +108,7 @@ def _best_of(newest: Path, name: str) -> Path:
     # whole when the run starts from it).
     refuse_damaged(newest, f"--resume best: the newest checkpoint, {newest},", check=meta_damage)
     run = run_of(newest)
-    best = store_of_run(run).best() if run else None
+    best = store_of_run(run).best(newest) if run else None
     if best is None:
         raise UsageError(
             f"--resume best: the newest run of {name!r} ({run}) has no best checkpoint",

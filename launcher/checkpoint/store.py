@@ -119,11 +119,13 @@ class Store:
         keep = set(protected)
         return [p for p in self.complete()[:-keep_last] if step_of(p) not in keep]
 
-    def best(self) -> Best | None:
+    def best(self, newest: Any | None = None) -> Best | None:
         """The best complete checkpoint by `checkpoint.monitor`, as the newest checkpoint's
         record of scores says (the record survives resumes; pruned ones are passed over).
-        UnreadableJson where the newest one's meta.json is missing or malformed."""
-        newest = self._newest_meta()
+        UnreadableJson where the newest one's meta.json is missing or malformed. `newest`:
+        the newest complete checkpoint where a listing of the launch gave it (not listed
+        again)."""
+        newest = self._newest_meta(newest)
         if newest is None:
             return None
         meta, record = newest
@@ -134,10 +136,11 @@ class Store:
                 return Best(path, step, score, monitor)
         return None
 
-    def _newest_meta(self) -> tuple[Any, Any] | None:
-        """The newest complete checkpoint's meta.json and what it holds; None without one."""
+    def _newest_meta(self, listed: Any | None = None) -> tuple[Any, Any] | None:
+        """The newest complete checkpoint's meta.json and what it holds; None without one.
+        `listed`: the newest, as a listing already gave it: read without listing first."""
         for look in range(1, _LOOKS + 1):
-            newest = self.latest()
+            newest = listed if look == 1 and listed is not None else self.latest()
             if newest is None:
                 return None
             meta = CheckpointFiles(newest).meta

@@ -129,3 +129,24 @@ def test_the_workers_are_told_the_store_the_launcher_resolved_once(tmp_path: Pat
     told = WorkerPlan.read(tmp_path / "worker-plan.json")
     assert told.store == plan.store.describe() and told.nodes_may_join is False
     assert store_described(told.store) == plan.store and store_described(told.store).remote
+
+
+def test_a_run_that_saved_to_a_store_resumes_with_checkpoints_off(tmp_path: Path) -> None:
+    """A run whose checkpoints went to a store, continued with checkpoints off: its folder's
+    record says where they are, and the launch and its workers keep that store, not the
+    folder's empty `checkpoints/` (which the launch, listing it again under the folder's lock,
+    took for another launcher's work)."""
+    (tmp_path / "store" / "a").mkdir(parents=True)  # file:// makes no top folder of its own
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        launch={"devices": 1},
+        checkpoint={"every_n_steps": 1, "dir": f"file://{tmp_path}/store/{{run}}"},
+        train={"max_steps": 1},
+    )
+    run_dir = tmp_path / "a"
+    first = run_train(["--config", str(spec), "--run-dir", str(run_dir)], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    args = ["--resume", str(run_dir), "checkpoint.enabled=false", "train.max_steps=2"]
+    resumed = run_train(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at step 1" in resumed.stdout

@@ -94,6 +94,9 @@ class _Peaks(threading.Thread):
 def _kind(proc: psutil.Process) -> str:
     """A process below the command's own (`train`, or torchrun's agent)."""
     argv = " ".join(proc.cmdline())
+    if "launcher.worker.fork_server" in argv:  # the fork server, or a worker it forked
+        parent = " ".join(proc.parent().cmdline()) if proc.parent() else ""
+        return "worker" if "launcher.worker.fork_server" in parent else "fork server"
     return "worker" if "launcher.worker.main" in argv or "handwritten_ddp.py" in argv else "helper"
 
 

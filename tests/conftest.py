@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -35,8 +36,19 @@ FORKED_LOADER_WORKERS_MAY_HANG = pytest.mark.skipif(
 def run_train(
     args: list[str], cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`train ARGS` in its own process group; killed as a group if it outlives `timeout`."""
-    return finish_train(start_train(args, cwd, env), cwd, timeout)
+    """`train ARGS` as its own process, in its own session, killed with everything it started
+    if it outlives `timeout`; its exit code and output, with nothing of it left behind.
+
+    The `train` process is a fork of a warm process that imported torch and the launcher once
+    (`tests.forked_train`): the launcher's own 1.5-2 CPU-seconds of imports, saved on each of
+    the suite's hundreds of runs. Its workers are started by the launcher as a user's are.
+    A test that signals the launcher, or reads its command line, starts the real command
+    (`start_train`); so does a run whose environment changes how an interpreter starts."""
+    from tests.forked_train import train_in_fork
+
+    if any(key.startswith(("PYTHON", "TORCH")) for key in env or {}):
+        return finish_train(start_train(args, cwd, env), cwd, timeout)
+    return train_in_fork(args, cwd, env, timeout)
 
 
 def start_train(
@@ -89,16 +101,31 @@ def _where_they_hang(pid: int, cwd: Path) -> str:
                 f"pid {p.pid} ({p.status()}, {p.num_threads()} threads, in {wchan}): "
                 + " ".join(p.cmdline())[:160]
             )
-            if "launcher.worker.main" in p.cmdline() and p.ppid() != pid:
-                continue  # a DataLoader worker: a signal could end it
-            if "launcher.worker.main" in p.cmdline():
-                os.kill(p.pid, signal.SIGUSR2)
         except (psutil.Error, OSError):
             continue
+    for rank in training_processes(pid):  # not a DataLoader worker: a signal could end it
+        with contextlib.suppress(psutil.Error, OSError):
+            os.kill(rank.pid, signal.SIGUSR2)
     time.sleep(1)
     for log in sorted(cwd.rglob("logs/rank-*.log")):
         lines += [f"--- the end of {log}", log.read_text(errors="replace")[-6000:]]
     return "\n".join(lines)
+
+
+def training_processes(launcher_pid: int) -> list[psutil.Process]:
+    """The launcher's training processes (ranks): its children that run
+    `launcher.worker.main`, or the children of its fork servers (`launch.worker_start`)."""
+    found = []
+    for child in psutil.Process(launcher_pid).children():
+        try:
+            command = " ".join(child.cmdline())
+            if "launcher.worker.main" in command:
+                found.append(child)
+            elif "launcher.worker.fork_server" in command:
+                found += child.children()
+        except psutil.Error:
+            continue  # ended meanwhile
+    return found
 
 
 def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen[str]) -> int:

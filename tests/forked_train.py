@@ -1,14 +1,15 @@
-"""`train ARGS` in a fork of a warm server process, for runs refused before any worker starts.
+"""`train ARGS` in a fork of a warm server process: what `run_train` runs.
 
-A `train` subprocess spends most of its 3-5 s importing torch and the launcher; a fork of a
-process that imported them once answers the same in a fraction of that. The fork comes from
-multiprocessing's fork server, started once per test session with those imports preloaded:
-a single-threaded process, so the fork cannot inherit a lock another thread held (CPython
-gh-112275; the test process itself has gloo's, the sinks' and the display's threads). The
-fork is still a process of its own, as `run_train`'s is: its own session, working directory,
-environment and standard streams, its exit code and output read the same way, and nothing
-of it may outlive it. Runs that start workers stay with `run_train`: there the launch, the
-signals and the collectives are what is tested.
+A `train` subprocess spends 1.5-2 CPU-seconds importing torch and the launcher before it
+reads its spec; a fork of a process that imported them once starts at once. The fork comes
+from multiprocessing's fork server, started once per test session with those imports
+preloaded: a single-threaded process, so the fork cannot inherit a lock another thread held
+(CPython gh-112275; the test process itself has gloo's, the sinks' and the display's threads).
+The fork is still a process of its own, as a subprocess is: its own session, working
+directory, environment and standard streams, its exit code and output read the same way, and
+nothing of it may outlive it. What it starts (the reaper, the workers' fork server, the
+workers) starts as a user's `train` starts it. Tests that signal the launcher, or need its
+command line, start the real command (`conftest.start_train`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _assert_no_leftovers, finish_train, start_train
+from tests.conftest import _assert_no_leftovers, _where_they_hang, finish_train, start_train
 
 # What `train` imports on its way to refusing a spec: preloaded by the fork server, once.
 # A module another engineer renamed is only a slower fork, never a failure (the server skips
@@ -60,8 +61,7 @@ def train_in_fork(
     timeout: float = 90,
     preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """What `run_train(args, cwd, timeout, env)` returns, for a run refused before it starts
-    workers; `preexec_fn` (a module-level function: it is sent to the fork by name) is
+    """What `run_train(args, cwd, timeout, env)` returns; `preexec_fn` (a module-level function: it is sent to the fork by name) is
     called in the fork just before `train` starts. Under torch_xla (whose runtime a preloaded
     torch would start in the server) it is run_train's own subprocess, and `preexec_fn` runs
     before the exec, as Popen's does."""
@@ -77,9 +77,13 @@ def train_in_fork(
         fork.start()
         fork.join(timeout)
         if fork.exitcode is None:
+            hung = _where_they_hang(fork.pid, cwd) if fork.pid else ""
             _kill(fork.pid)
             fork.join()
-            pytest.fail(f"train {' '.join(args)} (forked) timed out after {timeout}s")
+            output = out.read_text(errors="replace") + err.read_text(errors="replace")
+            pytest.fail(
+                f"train {' '.join(args)} (forked) timed out after {timeout}s\n{output}\n{hung}"
+            )
         _assert_no_leftovers(fork.pid, marker=str(cwd))
         return subprocess.CompletedProcess(
             ["train", *args],

@@ -94,6 +94,16 @@ class LaunchSection(Section):
         description="After a failure, restart every rank from the latest complete checkpoint, "
         "up to this many times (torch.distributed.elastic's restarts).",
     )
+    worker_start: Literal["auto", "forkserver", "spawn"] = Field(
+        "auto",
+        description="How the training processes start. `forkserver`: forked by one process "
+        "that imported torch and the launcher once (`launcher.worker.fork_server`), in "
+        "milliseconds instead of the 1.5-2.5 CPU-seconds a new interpreter takes to import "
+        "them, on every start and restart; it imports no recipe and touches no device, so "
+        "nothing a fork could break is set up before it. `spawn`: each a new interpreter, as "
+        "torchrun starts them. `auto`: `forkserver` on Linux, except on TPUs (torch_xla's "
+        "runtime starts its own threads in the process that imports it), else `spawn`.",
+    )
     stall_timeout: float | None = Field(
         600.0,
         gt=0,

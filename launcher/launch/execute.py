@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.errors import RunError
 from launcher.launch import failure_report
-from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
+from launcher.launch.agent import AgentThread, agent_config, forked_workers, quiet_elastic
 from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
@@ -68,7 +68,8 @@ def _run(plan: LaunchPlan, console: Console | None) -> Ending:
     gc.enable()
     _announce(plan, console)
     try:
-        with Reaper() as reaper:  # nothing the run starts outlives it
+        # Nothing the run starts outlives it; its workers are forked by a warm server.
+        with Reaper() as reaper, forked_workers(plan):
             # Replica groups (fault_tolerance): their engine's coordinator runs them.
             supervise_groups = coordinator_function(plan.spec.fault_tolerance, "supervise")
             if supervise_groups is not None:

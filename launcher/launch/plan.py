@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,16 @@ class LaunchPlan:
             listen=self.listen,
             token=self.replica_token,
         )
+
+    @property
+    def forks_workers(self) -> bool:
+        """`launch.worker_start`, resolved: whether the workers are forked by the fork server
+        (`launcher.launch.agent.ForkServer`) rather than started as new interpreters."""
+        start = self.spec.launch.worker_start
+        if start == "auto":
+            xla = self.accelerator == "tpu" or self.spec.launch.strategy.startswith("xla")
+            return sys.platform == "linux" and not xla
+        return start == "forkserver"
 
     @property
     def group_host(self) -> str:

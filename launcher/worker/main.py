@@ -45,10 +45,14 @@ def redirect_output(log_file: Path) -> None:
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
 
-def _parse(argv: list[str] | None) -> WorkerPlan:
+def _parse(argv: list[str] | None) -> tuple[WorkerPlan, int]:
+    """The plan, and the launcher's pid: this process's parent, unless the launcher's fork
+    server (`launcher.worker.fork_server`) is."""
     parser = argparse.ArgumentParser(prog="launcher.worker.main")
     parser.add_argument("--plan", type=Path, required=True, help="the launcher's worker plan")
-    return WorkerPlan.read(parser.parse_args(argv).plan)
+    parser.add_argument("--launcher-pid", type=int, help="the launcher's pid (default: parent)")
+    args = parser.parse_args(argv)
+    return WorkerPlan.read(args.plan), args.launcher_pid or os.getppid()
 
 
 def die_with_parent() -> None:
@@ -76,14 +80,14 @@ def dump_stacks_on_request() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
-    plan = _parse(argv)
+    plan, launcher_pid = _parse(argv)
     if plan.replica_group is not None:
         _join_replica_group(plan.replica_group)
     redirect_output(RunLayout(plan.run_dir).log(_own_rank(plan)))
-    # Before torch starts threads of its own. The worker's parent is the launcher.
-    stop_on_outside_sigterm(plan.run_dir, os.getppid())
+    # Before torch starts threads of its own.
+    stop_on_outside_sigterm(plan.run_dir, launcher_pid)
     dump_stacks_on_request()
-    code = _xla_spawn(plan) if plan.xla_spawn else _train(plan)
+    code = _xla_spawn(plan, launcher_pid) if plan.xla_spawn else _train(plan)
     _end_children()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -124,7 +128,7 @@ def _own_rank(plan: WorkerPlan) -> int:
     return int(os.environ.get("RANK", "0")) + plan.rank_offset
 
 
-def _xla_spawn(plan: WorkerPlan) -> int:
+def _xla_spawn(plan: WorkerPlan, launcher_pid: int) -> int:
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     if plan.xla_spawn == "all":
@@ -138,7 +142,7 @@ def _xla_spawn(plan: WorkerPlan) -> int:
     try:
         # Replicas that fail end their own process with their exit code (see _spawned).
         nprocs = 1 if plan.xla_spawn == "1" else None
-        xmp.spawn(_spawned, args=(plan, os.getppid()), nprocs=nprocs)
+        xmp.spawn(_spawned, args=(plan, launcher_pid), nprocs=nprocs)
     except Exception as exc:  # a replica died: its own log holds its traceback
         print(f"error: a replica failed ({type(exc).__name__}); see its log", file=sys.stderr)
         return 1

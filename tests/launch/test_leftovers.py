@@ -15,7 +15,13 @@ import psutil
 import pytest
 
 from launcher.rundir.layout import RunLayout
-from tests.conftest import finish_train, start_train, wait_for_step, write_spec
+from tests.conftest import (
+    finish_train,
+    start_train,
+    training_processes,
+    wait_for_step,
+    write_spec,
+)
 from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,11 +109,7 @@ def _sigterm_blocked(process: psutil.Process) -> bool:
 
 
 def _workers(proc: subprocess.Popen[str]) -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process(proc.pid).children()
-        if any("launcher.worker.main" in part for part in p.cmdline())
-    ]
+    return training_processes(proc.pid)
 
 
 def _launcher_killed(proc: subprocess.Popen[str], run_dir: Path) -> int:

@@ -25,6 +25,7 @@ from tests.conftest import (
     finish_train,
     run_train,
     start_train,
+    training_processes,
     wait_for_step,
     write_spec,
 )
@@ -245,11 +246,7 @@ def _only_checkpoint(run_dir: Path) -> int:
 
 
 def _workers(launcher_pid: int) -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process(launcher_pid).children()
-        if any("launcher.worker.main" in part for part in p.cmdline())
-    ]
+    return training_processes(launcher_pid)
 
 
 def test_sigterm_to_one_worker_from_outside_stops_every_rank_with_a_checkpoint(

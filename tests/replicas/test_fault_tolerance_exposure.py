@@ -18,7 +18,7 @@ import pytest
 
 from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout
-from tests.conftest import finish_train, start_train
+from tests.conftest import finish_train, start_train, training_processes
 from tests.replicas.test_fault_tolerance import _spec, _wait_for_checkpoint
 
 pytest.importorskip("torchft")
@@ -70,7 +70,7 @@ def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alon
         assert len(listening) >= 8, listening
         assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in listening), listening
         # Tools read a worker's group where they read its environment: from its start.
-        workers = [p for p in _run_tree(proc.pid) if "launcher.worker.main" in p.cmdline()]
+        workers = training_processes(proc.pid)
         groups = sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
         assert groups == ["0", "1"], groups
         managers = _managers(_lighthouse(proc.pid))

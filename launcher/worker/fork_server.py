@@ -1,0 +1,210 @@
+"""The workers' fork server: one warm process per launcher that imports torch and the
+worker's code once, then forks a worker whenever the elastic agent starts one
+(`launch.worker_start: forkserver`; `launcher.launch.agent.ForkServer` is the launcher's half).
+
+Why: a worker started as a new interpreter spends 1.5-2.5 s of CPU importing torch and the
+launcher before it does anything (issue 54), every rank at once on every start and restart. A
+fork of a process that imported them once starts in milliseconds, sharing those pages.
+
+Why it is safe to fork: this process is single-threaded (nothing it imports starts a Python
+thread), so a child cannot inherit a lock another thread held (CPython gh-112275). It imports
+no user code, initialises no device and runs no collective.
+
+What a child is: the same `python -u -m launcher.worker.main ARGS` the agent asked for, run by
+`runpy` as `__main__`, in a session of its own, with the environment, working directory and
+standard streams it was sent (as `subprocess.Popen(start_new_session=True)` would give it). Its
+command line stays this server's; tests and tools find workers as this server's children.
+
+The protocol, on a Unix socket from the launcher (`--fd`): a request is a pickled
+`(argv, env, cwd)` with four descriptors (stdin, stdout, stderr, and the child's own status
+socket); on the status socket the server writes the child's pid, then, once reaped, its exit
+code as `subprocess` gives it (negative: ended by that signal). EOF on the control socket (the
+launcher ended, however) ends the server; its children end with it (`die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import pickle
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+
+# What every worker imports on its way to training (torch first). A module that fails to
+# import (renamed, or an optional dependency missing) is left to the worker, which reports it.
+PRELOAD = (
+    "torch",
+    "torch._dynamo",  # the optimizer's first step imports it: a second of CPU
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.utils.flop_counter",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "launcher.worker.main",
+    "launcher.worker.loop",
+    "launcher.worker.recipe",
+    "launcher.parallel.build",
+    "launcher.parallel.torch_distributed",
+    "launcher.checkpoint.writers",
+    "launcher.metrics.telemetry",
+    "launcher.metrics.tensorboard_events",
+)
+# The signals this server ignores, which its children take back: Ctrl-C at the terminal and
+# SLURM's SIGTERM to every process of the job are the workers' to handle; ending this server
+# would end them all at once (SIGKILL, their parent-death signal) before they could save.
+IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+STATUS = struct.Struct("q")
+MAX_REQUEST = 1 << 20
+
+
+def serve(control: socket.socket) -> None:
+    """Forks a worker per request until the launcher closes the control socket."""
+    defaults = {sig: signal.getsignal(sig) for sig in IGNORED}
+    for sig in IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through wake_w
+    children: dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    ours = (control, selector, wake_r, wake_w)  # what a child closes first
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is control:
+                request = _receive(control)
+                if request is None:
+                    return
+                _fork(request, children, defaults, ours)
+            else:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+        _reap(children)
+
+
+def _receive(control: socket.socket) -> tuple[tuple, list[int]] | None:
+    message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST, 4)
+    if not message:
+        return None
+    return pickle.loads(message), fds
+
+
+def _fork(
+    request: tuple[tuple, list[int]],
+    children: dict[int, socket.socket],
+    defaults: dict[int, object],
+    inherited: tuple,
+) -> None:
+    (argv, env, cwd), fds = request
+    status = socket.socket(fileno=fds[3])
+    pid = os.fork()
+    if pid == 0:
+        for sock in (*children.values(), status):
+            sock.close()
+        _become_worker(argv, env, cwd, fds[:3], defaults, inherited)
+    for fd in fds[:3]:
+        os.close(fd)
+    children[pid] = status
+    with contextlib.suppress(OSError):
+        status.sendall(STATUS.pack(pid))
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Tells the launcher each ended child's exit code, on that child's status socket."""
+    for pid in list(children):
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            continue
+        status = children.pop(pid)
+        with contextlib.suppress(OSError):  # the launcher stopped listening: nothing to tell
+            status.sendall(STATUS.pack(os.waitstatus_to_exitcode(wait_status)))
+        status.close()
+
+
+def _become_worker(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    streams: list[int],
+    defaults: dict[int, object],
+    inherited: tuple,
+) -> None:
+    """The child's whole life: what `python ARGV` would have been, then os._exit."""
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig, handler in defaults.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        control, selector, wake_r, wake_w = inherited
+        control.close()
+        selector.close()
+        os.close(wake_r)
+        os.close(wake_w)
+        for target, fd in enumerate(streams):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        module, args = _module_and_args(argv)
+        sys.argv = [module, *args]
+        # Run afresh as `__main__`, as `python -m` runs it, not as the module preloaded.
+        sys.modules.pop(module, None)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # as the interpreter would: the traceback, exit code 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _module_and_args(argv: list[str]) -> tuple[str, list[str]]:
+    """`-u -m MODULE ARGS...` (the only form the launcher sends): MODULE and ARGS."""
+    options = argv[: argv.index("-m")]
+    if any(o != "-u" for o in options):
+        raise ValueError(f"the worker fork server runs `-m MODULE` only, not {argv}")
+    if "-u" in options:  # unbuffered, as `python -u` (the worker sets line buffering too)
+        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+        sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+    rest = argv[argv.index("-m") + 1 :]
+    return rest[0], rest[1:]
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="launcher.worker.fork_server")
+    parser.add_argument("--fd", type=int, required=True, help="the control socket")
+    parser.add_argument("--run-dir", help="the run it serves (shown in `ps`)")
+    args = parser.parse_args()
+    control = socket.socket(fileno=args.fd)
+    # The launcher reads this byte once the imports are done: a request sent earlier would
+    # wait for them anyway, but a server that fails to start is then found at once.
+    preload()
+    control.sendall(b"\x01")
+    serve(control)
+    os._exit(0)  # its children end with it; no teardown of torch's modules
+
+
+if __name__ == "__main__":
+    main()

@@ -126,10 +126,11 @@ def timed(argv: list[str], env: dict[str, str], cwd: Path = REPO) -> dict:
         tail = b"".join(output[-30:]).decode(errors="replace")
         raise RuntimeError(f"exit code {proc.returncode}: {' '.join(argv)}\n{tail}")
     return {"started": started, "ended": ended, "seconds": ended - started, **seen,
+            "cpu_s": usage.ru_utime + usage.ru_stime,  # the whole tree's, every process reaped
             "max_rss_mib": usage.ru_maxrss / 1024, "peaks": peaks.by_kind()}  # fmt: skip
 
 
-def ours(tmp: Path, base: Path | None) -> dict:
+def ours(tmp: Path, base: Path | None, *overrides: str) -> dict:
     run_dir = tmp / f"run-{len(list(tmp.iterdir()))}"
     env = {**os.environ, **ENV}
     argv, cwd = [str(Path(sys.executable).parent / "train")], REPO
@@ -138,7 +139,7 @@ def ours(tmp: Path, base: Path | None) -> dict:
         # with `-m` from the launcher's folder, which would come first on their path.
         env["PYTHONPATH"], cwd = str(base), tmp
         argv = [sys.executable, "-m", "launcher.cli.app"]
-    result = timed([*argv, *TRIVIAL, "--run-dir", str(run_dir)], env, cwd)
+    result = timed([*argv, *TRIVIAL, *overrides, "--run-dir", str(run_dir)], env, cwd)
     result["phases"] = phases(result, run_dir)
     return result
 
@@ -225,6 +226,8 @@ def main() -> None:
     contenders = {
         "torchrun, by hand": by_hand,
         "ours": lambda tmp: ours(tmp, None),
+        # Workers as new interpreters, as torchrun starts them (before issue 54, ours too).
+        "ours, workers spawned": lambda tmp: ours(tmp, None, "launch.worker_start=spawn"),
         **({f"ours at {args.base}": lambda tmp: ours(tmp, args.base)} if args.base else {}),
         "flood: torchrun --tee 3": lambda tmp: flood("torchrun --tee 3", args.lines),
         "flood: ours": lambda tmp: flood("ours", args.lines),
@@ -246,17 +249,19 @@ def main() -> None:
 
 def report(results: dict) -> None:
     base = results["torchrun, by hand"]
-    print("\n| (median) | whole command, s | x torchrun | largest process, MiB | x torchrun |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| (median) | whole command, s | x torchrun | CPU, s | x torchrun "
+          "| largest process, MiB | x torchrun |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, row in results.items():
         if name.startswith("flood"):
             continue
         print(f"| {name} | {row['seconds']:.2f} | {row['seconds'] / base['seconds']:.2f} | "
+              f"{row['cpu_s']:.2f} | {row['cpu_s'] / base['cpu_s']:.2f} | "
               f"{row['max_rss_mib']:.0f} | {row['max_rss_mib'] / base['max_rss_mib']:.2f} |")  # fmt: skip
     flood_base = results["flood: torchrun --tee 3"]["seconds"]
-    print(f"| flood: torchrun --tee 3 | {flood_base:.2f} | 1.00 | | |")
+    print(f"| flood: torchrun --tee 3 | {flood_base:.2f} | 1.00 | | | | |")
     ours_flood = results["flood: ours"]["seconds"]
-    print(f"| flood: ours | {ours_flood:.2f} | {ours_flood / flood_base:.2f} | | |")
+    print(f"| flood: ours | {ours_flood:.2f} | {ours_flood / flood_base:.2f} | | | | |")
     for name, row in results.items():
         if "phases" in row:
             print(f"\n{name}: peaks by kind (MiB) {_rounded(row['peaks'])}")

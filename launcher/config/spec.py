@@ -101,8 +101,11 @@ class LaunchSection(Section):
         "milliseconds instead of the 1.5-2.5 CPU-seconds a new interpreter takes to import "
         "them, on every start and restart; it imports no recipe and touches no device, so "
         "nothing a fork could break is set up before it. `spawn`: each a new interpreter, as "
-        "torchrun starts them. `auto`: `forkserver` on Linux, except on TPUs (torch_xla's "
-        "runtime starts its own threads in the process that imports it), else `spawn`.",
+        "torchrun starts them. `auto`: `forkserver` on Linux CPUs where it forks more than "
+        "once (2 processes or more per machine or replica group, or restarts), else `spawn` "
+        "(on TPUs torch_xla's runtime starts threads in the process that imports it; on GPUs "
+        "it is not yet measured). A server that finds CUDA initialised by an import says so "
+        "and the workers start as new interpreters.",
     )
     stall_timeout: float | None = Field(
         600.0,

@@ -44,7 +44,8 @@ from launcher.rundir.layout import RunLayout
 
 WORKER_MODULE = "launcher.worker.main"
 FORK_SERVER_MODULE = "launcher.worker.fork_server"
-_STATUS = struct.Struct("q")  # the fork server's pid and exit-code messages
+# The fork server's status messages: (b"p", the worker's pid), then (b"x", its exit code).
+_STATUS = struct.Struct("=cq")
 _logger = logging.getLogger(__name__)
 
 
@@ -261,12 +262,13 @@ class ForkServer:
 
     def _await_ready(self) -> bool:
         readable, _, _ = select.select([self._control], [], [], self._ready_timeout_s)
-        if readable and self._control.recv(1) == b"\x01":
+        answer = self._control.recv(1024) if readable else b""
+        if answer == b"\x01":
             return True
-        code = self._proc.poll()
+        why = answer[1:].decode(errors="replace") or f"exit code {self._proc.poll()}"
         print(
-            f"warning: the workers' fork server did not start (exit code {code}); the workers "
-            "start as new interpreters (launch.worker_start: spawn says so without trying)",
+            f"warning: the workers' fork server cannot fork them ({why}); they start as new "
+            "interpreters (launch.worker_start: spawn says so without trying)",
             file=sys.stderr,
         )
         return False
@@ -282,8 +284,12 @@ class ForkServer:
         return ForkedProcess(argv, mine)
 
     def close(self) -> None:
-        """Ends the server (EOF on its control socket); its workers have ended by now."""
+        """Ends the server (EOF on its control socket); its workers have ended by now. One
+        that forked nothing (the run ended first) is killed, not left to finish importing."""
         self._control.close()
+        with self._lock:
+            if not self._ready:
+                self._proc.kill()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -299,10 +305,10 @@ class ForkedProcess:
         self.returncode: int | None = None
         self._status = status
         self._lock = threading.Lock()
-        pid, _ = self._read_int(timeout_s=60.0)
-        if pid is None:
+        kind, pid = self._read(timeout_s=60.0)
+        if kind != b"p":
             status.close()
-            raise RuntimeError("the workers' fork server ended before it started a worker")
+            raise RuntimeError("the workers' fork server could not start a worker")
         self.pid = pid
 
     def poll(self) -> int | None:
@@ -317,25 +323,25 @@ class ForkedProcess:
     def _wait(self, timeout_s: float | None) -> int | None:
         with self._lock:
             if self.returncode is None:
-                code, ended = self._read_int(timeout_s)
-                if code is None and ended:
-                    # The server ended before it could tell: its workers ended with it.
-                    code = -signal.SIGKILL
-                if code is not None:
+                kind, code = self._read(timeout_s)
+                if kind == b"":  # the server ended before it could tell: its workers with it
+                    kind, code = b"x", -signal.SIGKILL
+                if kind == b"x":
                     self.returncode = code
                     self._status.close()
             return self.returncode
 
-    def _read_int(self, timeout_s: float | None) -> tuple[int | None, bool]:
-        """The server's next message, if one comes within `timeout_s`; and whether the
-        server closed the socket instead."""
+    def _read(self, timeout_s: float | None) -> tuple[bytes | None, int]:
+        """The next status message, if one comes within `timeout_s` (None: none came;
+        b"": the server closed the socket instead)."""
         readable, _, _ = select.select([self._status], [], [], timeout_s)
         if not readable:
-            return None, False
+            return None, 0
         data = self._status.recv(_STATUS.size, socket.MSG_WAITALL)
         if len(data) < _STATUS.size:
-            return None, True
-        return _STATUS.unpack(data)[0], False
+            return b"", 0
+        kind, value = _STATUS.unpack(data)
+        return kind, value
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

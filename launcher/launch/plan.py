@@ -119,10 +119,14 @@ class LaunchPlan:
         """`launch.worker_start`, resolved: whether the workers are forked by the fork server
         (`launcher.launch.agent.ForkServer`) rather than started as new interpreters."""
         start = self.spec.launch.worker_start
-        if start == "auto":
-            xla = self.accelerator == "tpu" or self.spec.launch.strategy.startswith("xla")
-            return sys.platform == "linux" and not xla
-        return start == "forkserver"
+        if start != "auto":
+            return start == "forkserver"
+        # GPUs too, once a GPU session has measured it (issue 58).
+        xla = self.spec.launch.strategy.startswith("xla")
+        if sys.platform != "linux" or self.accelerator != "cpu" or xla:
+            return False
+        # A server costs what one worker's imports do: it pays from its second fork.
+        return self.group_size > 1 or self.spec.launch.max_restarts > 0
 
     @property
     def group_host(self) -> str:

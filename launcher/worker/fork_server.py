@@ -17,8 +17,9 @@ command line stays this server's; tests and tools find workers as this server's 
 
 The protocol, on a Unix socket from the launcher (`--fd`): a request is a pickled
 `(argv, env, cwd)` with four descriptors (stdin, stdout, stderr, and the child's own status
-socket); on the status socket the server writes the child's pid, then, once reaped, its exit
-code as `subprocess` gives it (negative: ended by that signal). EOF on the control socket (the
+socket). On the status socket the child says its pid once it leads a session of its own, then
+the server, once it has reaped it, says its exit code as `subprocess` gives it (negative:
+ended by that signal). EOF on the control socket (the
 launcher ended, however) ends the server; its children end with it (`die_with_parent`).
 """
 
@@ -58,7 +59,10 @@ PRELOAD = (
 # SLURM's SIGTERM to every process of the job are the workers' to handle; ending this server
 # would end them all at once (SIGKILL, their parent-death signal) before they could save.
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
-STATUS = struct.Struct("q")
+# A status message: what it says (STARTED: the value is the child's pid; EXITED: its exit
+# code), and the value.
+STATUS = struct.Struct("=cq")
+STARTED, EXITED = b"p", b"x"
 MAX_REQUEST = 1 << 20
 
 
@@ -104,16 +108,18 @@ def _fork(
 ) -> None:
     (argv, env, cwd), fds = request
     status = socket.socket(fileno=fds[3])
+    # Blocked across the fork: a signal sent to the child before it takes its defaults back
+    # waits for them instead of meeting this server's SIG_IGN (which would drop it).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)
     pid = os.fork()
     if pid == 0:
-        for sock in (*children.values(), status):
+        for sock in children.values():
             sock.close()
-        _become_worker(argv, env, cwd, fds[:3], defaults, inherited)
+        _become_worker(argv, env, cwd, fds[:3], defaults, (*inherited, status), mask)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for fd in fds[:3]:
         os.close(fd)
     children[pid] = status
-    with contextlib.suppress(OSError):
-        status.sendall(STATUS.pack(pid))
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -124,7 +130,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             continue
         status = children.pop(pid)
         with contextlib.suppress(OSError):  # the launcher stopped listening: nothing to tell
-            status.sendall(STATUS.pack(os.waitstatus_to_exitcode(wait_status)))
+            status.sendall(STATUS.pack(EXITED, os.waitstatus_to_exitcode(wait_status)))
         status.close()
 
 
@@ -135,6 +141,7 @@ def _become_worker(
     streams: list[int],
     defaults: dict[int, object],
     inherited: tuple,
+    mask: set[signal.Signals],
 ) -> None:
     """The child's whole life: what `python ARGV` would have been, then os._exit."""
     code = 1
@@ -144,7 +151,12 @@ def _become_worker(
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for sig, handler in defaults.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-        control, selector, wake_r, wake_w = inherited
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        control, selector, wake_r, wake_w, status = inherited
+        # The pid, from the child once it leads its session and takes signals as a worker
+        # does: the agent may signal its process group as soon as it has it.
+        status.sendall(STATUS.pack(STARTED, os.getpid()))
+        status.close()
         control.close()
         selector.close()
         os.close(wake_r)
@@ -198,12 +210,29 @@ def main() -> None:
     parser.add_argument("--run-dir", help="the run it serves (shown in `ps`)")
     args = parser.parse_args()
     control = socket.socket(fileno=args.fd)
-    # The launcher reads this byte once the imports are done: a request sent earlier would
-    # wait for them anyway, but a server that fails to start is then found at once.
+    # The launcher reads this answer once the imports are done: a request sent earlier would
+    # wait for them anyway, but a server that cannot serve is then found at once.
     preload()
-    control.sendall(b"\x01")
-    serve(control)
+    unsafe = _why_not_fork()
+    # A launcher that has ended (closed or reset its socket) has no more workers to start.
+    with contextlib.suppress(OSError):
+        control.sendall(b"\x02" + unsafe.encode() if unsafe else b"\x01")
+        if not unsafe:
+            serve(control)
     os._exit(0)  # its children end with it; no teardown of torch's modules
+
+
+def _why_not_fork() -> str:
+    """Why a fork of this process would be broken, if it would: CUDA's driver does not
+    survive a fork once initialised, and a preloaded module could have initialised it."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "an import initialised CUDA"
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:  # Linux's
+        if any("libcuda.so" in line for line in maps):
+            return "an import loaded CUDA's driver"
+    return ""
 
 
 if __name__ == "__main__":

@@ -90,8 +90,7 @@ def agent_config(
         start_method="spawn",
         logs_specs=AgentLogs(log_dir=str(RunLayout.agent_logs(folder))),
     )
-    plan_file = str(RunLayout.worker_plan(folder))
-    argv = ["-u", "-m", WORKER_MODULE, "--plan", plan_file, "--launcher-pid", str(os.getpid())]
+    argv = ["-u", "-m", WORKER_MODULE, "--plan", str(RunLayout.worker_plan(folder))]
     return config, argv
 
 

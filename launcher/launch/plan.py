@@ -179,6 +179,7 @@ class LaunchPlan:
             config_file=self.config_file,
             memory_estimate=self.memory_estimate,
             replica_group=group,
+            launcher_pid=os.getpid(),
         )
 
     def _compile_cache(self) -> Path | None:

@@ -142,6 +142,9 @@ class WorkerPlan:
     # summary.json gives it beside the measured peak.
     memory_estimate: dict[str, int] | None = None
     replica_group: ReplicaGroup | None = None  # fault_tolerance's: this group's place
+    # The launcher that wrote the plan, whose elastic agent signals the workers: their
+    # parent, unless the fork server (`launch.worker_start`) is. None: the parent.
+    launcher_pid: int | None = None
 
     def run_spec(self) -> RunSpec:
         from launcher.config.spec import RunSpec

@@ -50,9 +50,8 @@ def _parse(argv: list[str] | None) -> tuple[WorkerPlan, int]:
     server (`launcher.worker.fork_server`) is."""
     parser = argparse.ArgumentParser(prog="launcher.worker.main")
     parser.add_argument("--plan", type=Path, required=True, help="the launcher's worker plan")
-    parser.add_argument("--launcher-pid", type=int, help="the launcher's pid (default: parent)")
-    args = parser.parse_args(argv)
-    return WorkerPlan.read(args.plan), args.launcher_pid or os.getppid()
+    plan = WorkerPlan.read(parser.parse_args(argv).plan)
+    return plan, plan.launcher_pid or os.getppid()
 
 
 def die_with_parent() -> None:

@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from launcher.launch.agent import ForkedHandler, ForkServer
+from launcher.launch.plan import make_plan
 from tests.conftest import (
     FAULTY_RECIPE,
+    bare_spec,
     finish_train,
     run_train,
     start_train,
@@ -27,6 +29,24 @@ from tests.conftest import (
 )
 
 CHILD = ["-u", "-m", "tests.launch.fork_child"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="`auto` forks on Linux alone")
+@pytest.mark.parametrize(
+    ("launch", "forks"),
+    [
+        ({"devices": 2}, True),
+        ({"devices": 1}, False),  # a server costs what the one worker's imports do
+        ({"devices": 1, "max_restarts": 1}, True),  # ... unless it starts it again
+        ({"devices": 2, "worker_start": "spawn"}, False),
+        ({"devices": 1, "worker_start": "forkserver"}, True),
+    ],
+)
+def test_auto_forks_the_workers_where_a_server_pays_for_itself(
+    tmp_path: Path, launch: dict, forks: bool
+) -> None:
+    spec = bare_spec(tmp_path, **launch)
+    assert make_plan(spec).forks_workers is forks
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,16 +97,35 @@ def _unknown(key: str, given: str, name: str, valid: list[str]) -> str:
     return f"{key}.{given}: unknown key of {name}(){suggestion} ({accepted})"
 
 
-def check_recipe(spec: RunSpec, sources: dict[str, str]) -> None:
+def check_recipe(spec: RunSpec, sources: dict[str, str]) -> tuple[str, ...]:
     """Imports the recipe as the workers will (from the working directory) and checks that it
     defines what the launcher calls, with arguments its functions take; builds nothing.
     `sources`: where each key came from, so that a missing file's error says what its path
-    was relative to."""
+    was relative to. Returns the installed libraries' modules that importing it imported
+    (`installed_modules`), which the workers' fork server imports once for them all."""
     from launcher.launch.reaper import children_reaped
 
+    before = set(sys.modules)
     with children_reaped():  # a process the recipe starts as it is imported ends here
         recipe = load_checked(spec, sources.get("recipe.source", ""))
         if spec.parallel.pp > 1 and spec.launch.strategy == "fsdp":
             from launcher.cli.pipeline_check import pipeline_fits
 
             pipeline_fits(spec, recipe)  # the stages, on the meta device, before any start
+    return installed_modules(set(sys.modules) - before)
+
+
+def installed_modules(names: set[str]) -> tuple[str, ...]:
+    """Of the modules `names`, those of installed libraries (in a site-packages folder: a
+    transformers model's modules, not the recipe's own files nor the launcher's), in the
+    order they were imported."""
+    installed = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if name in names and not name.startswith("__") and _in_site_packages(path):
+            installed.append(name)
+    return tuple(installed)
+
+
+def _in_site_packages(path: str) -> bool:
+    return any(part in ("site-packages", "dist-packages") for part in Path(path).parts)

@@ -125,7 +125,8 @@ def run_command(
         spec, sources, decided = spec_given(layers, resume, run_dir, nodes.job_id)
         from launcher.cli.recipe_check import check_recipe
 
-        check_recipe(spec, sources)  # a recipe that cannot load or take its arguments fails here
+        # A recipe that cannot load or take its arguments fails here.
+        libraries = check_recipe(spec, sources)
         from launcher.launch.execute import execute
         from launcher.launch.plan import make_plan
 
@@ -140,6 +141,7 @@ def run_command(
             layers=layers,
             resume_decided=decided,
         )
+        plan = dataclasses.replace(plan, recipe_libraries=libraries)
         if plan.accelerator == "gpu":  # before it starts: a layout that will not fit
             plan = _with_memory_estimate(plan, sources.get("recipe.source", ""))
         return execute(plan)

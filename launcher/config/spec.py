@@ -97,10 +97,11 @@ class LaunchSection(Section):
     worker_start: Literal["auto", "forkserver", "spawn"] = Field(
         "auto",
         description="How the training processes start. `forkserver`: forked by one process "
-        "that imported torch and the launcher once (`launcher.worker.fork_server`), in "
-        "milliseconds instead of the 1.5-2.5 CPU-seconds a new interpreter takes to import "
-        "them, on every start and restart; it imports no recipe and touches no device, so "
-        "nothing a fork could break is set up before it. `spawn`: each a new interpreter, as "
+        "that imported torch, the launcher and the installed libraries the recipe imports "
+        "(transformers' modules, say) once (`launcher.worker.fork_server`), in milliseconds "
+        "instead of the seconds of CPU a new interpreter takes to import them, on every start "
+        "and restart; it never imports the recipe itself and touches no device. `spawn`: each "
+        "a new interpreter, as "
         "torchrun starts them. `auto`: `forkserver` on Linux CPUs where it forks more than "
         "once (2 processes or more per machine or replica group, or restarts), else `spawn` "
         "(on TPUs torch_xla's runtime starts threads in the process that imports it; on GPUs "

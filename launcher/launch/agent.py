@@ -165,7 +165,7 @@ def forked_workers(plan: LaunchPlan) -> Iterator[None]:
     if not plan.forks_workers:
         yield
         return
-    servers = ForkServers(plan.run_dir)
+    servers = ForkServers(plan.run_dir, plan.recipe_libraries)
     if not plan.replica_groups:
         servers.get({})  # started now, to import while the agent sets up its rendezvous
     popen_handler = elastic_processes.get_subprocess_handler
@@ -198,8 +198,8 @@ def forked_workers(plan: LaunchPlan) -> Iterator[None]:
 class ForkServers:
     """This launcher's fork servers, one per environment added to its own."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self._run_dir = run_dir
+    def __init__(self, run_dir: Path, libraries: tuple[str, ...]) -> None:
+        self._run_dir, self._libraries = run_dir, libraries
         self._servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
         self._lock = threading.Lock()
 
@@ -207,7 +207,7 @@ class ForkServers:
         key = tuple(sorted(added.items()))
         with self._lock:
             if key not in self._servers:
-                self._servers[key] = ForkServer(self._run_dir, added)
+                self._servers[key] = ForkServer(self._run_dir, added, self._libraries)
             return self._servers[key]
 
     def close(self) -> None:
@@ -234,22 +234,34 @@ class ForkServer:
     """The launcher's half of `launcher.worker.fork_server` (its protocol is described there)."""
 
     def __init__(
-        self, run_dir: Path, added: dict[str, str], ready_timeout_s: float = 120.0
+        self,
+        run_dir: Path,
+        added: dict[str, str],
+        libraries: tuple[str, ...] = (),
+        ready_timeout_s: float = 120.0,
     ) -> None:
+        """`added`: variables added to this process's environment for the server and its
+        workers; `libraries`: modules it imports beside its own list (the recipe's)."""
         self._control, theirs = socket.socketpair()
         self._lock = threading.Lock()
         self._ready: bool | None = None
         self._ready_timeout_s = ready_timeout_s
         argv = [sys.executable, "-m", FORK_SERVER_MODULE, "--fd", str(theirs.fileno())]
         # In its own session: Ctrl-C at the terminal is for the launcher and the workers.
+        # Nothing of its own reaches the terminal; its workers get the launcher's streams.
         self._proc = subprocess.Popen(
             [*argv, "--run-dir", str(run_dir)],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             env={**os.environ, **added},
             start_new_session=True,
         )
         theirs.close()
+        message = pickle.dumps(tuple(libraries))
+        with contextlib.suppress(OSError):  # a server that died at once: ready() says so
+            self._control.sendall(struct.pack("!I", len(message)) + message)
 
     def ready(self) -> bool:
         """Whether the server has imported what it preloads (waiting for that, once); a

@@ -52,6 +52,9 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()  # warnings for the user, printed before the run starts
     # GPU runs: the layout's memory per device, estimated before start (bytes by part)
     memory_estimate: dict[str, int] | None = None
+    # The installed libraries' modules the recipe imports (`cli/recipe_check.py`): the
+    # workers' fork server imports them once for every worker (`launch.worker_start`).
+    recipe_libraries: tuple[str, ...] = ()
     host_index: int = 0  # a TPU pod's host: its processes' ranks come after the hosts before it
     nodes: Nodes = field(default_factory=Nodes)  # the run's nodes; this plan is one node's
     # {dotted key: where its value came from}: spec.yaml's comments (launcher.config.sources)

@@ -15,7 +15,14 @@ What a child is: the same `python -u -m launcher.worker.main ARGS` the agent ask
 standard streams it was sent (as `subprocess.Popen(start_new_session=True)` would give it). Its
 command line stays this server's; tests and tools find workers as this server's children.
 
-The protocol, on a Unix socket from the launcher (`--fd`): a request is a pickled
+What it preloads: torch and the worker's own modules (`PRELOAD`), and the installed
+libraries the recipe imports (a transformers model's modules), which the launcher found as it
+checked the recipe and sends first. Never the recipe itself: user code may do anything as it
+is imported. An import that started a thread or initialised CUDA makes the server refuse to
+fork (the launcher then starts the workers as new interpreters).
+
+The protocol, on a Unix socket from the launcher (`--fd`): first the recipe's libraries (a
+length, then a pickled tuple of module names); then each request is a pickled
 `(argv, env, cwd)` with four descriptors (stdin, stdout, stderr, and the child's own status
 socket). On the status socket the child says its pid once it leads a session of its own, then
 the server, once it has reaped it, says its exit code as `subprocess` gives it (negative:
@@ -36,6 +43,7 @@ import signal
 import socket
 import struct
 import sys
+import warnings
 
 # What every worker imports on its way to training (torch first). A module that fails to
 # import (renamed, or an optional dependency missing) is left to the worker, which reports it.
@@ -62,6 +70,7 @@ IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
 # A status message: what it says (STARTED: the value is the child's pid; EXITED: its exit
 # code), and the value.
 STATUS = struct.Struct("=cq")
+LENGTH = struct.Struct("!I")  # of the launcher's first message
 STARTED, EXITED = b"p", b"x"
 MAX_REQUEST = 1 << 20
 
@@ -198,10 +207,20 @@ def _module_and_args(argv: list[str]) -> tuple[str, list[str]]:
     return rest[0], rest[1:]
 
 
-def preload() -> None:
-    for name in PRELOAD:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+def preload(names: tuple[str, ...]) -> None:
+    """Imports `names` (quietly: a warning an import gives is the worker's to give, where it
+    imports something itself)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
+def _libraries(control: socket.socket) -> tuple[str, ...]:
+    """The recipe's libraries, the launcher's first message: a length, then a pickled tuple."""
+    size = LENGTH.unpack(control.recv(LENGTH.size, socket.MSG_WAITALL))[0]
+    return pickle.loads(control.recv(size, socket.MSG_WAITALL)) if size else ()
 
 
 def main() -> None:
@@ -212,7 +231,7 @@ def main() -> None:
     control = socket.socket(fileno=args.fd)
     # The launcher reads this answer once the imports are done: a request sent earlier would
     # wait for them anyway, but a server that cannot serve is then found at once.
-    preload()
+    preload((*PRELOAD, *_libraries(control)))
     unsafe = _why_not_fork()
     # A launcher that has ended (closed or reset its socket) has no more workers to start.
     with contextlib.suppress(OSError):
@@ -223,10 +242,15 @@ def main() -> None:
 
 
 def _why_not_fork() -> str:
-    """Why a fork of this process would be broken, if it would: CUDA's driver does not
-    survive a fork once initialised, and a preloaded module could have initialised it."""
+    """Why a fork of this process would be broken, if it would: a thread an import started
+    (CPython gh-112275), or CUDA's driver initialised by one, which does not survive a fork."""
+    import threading
+
     import torch
 
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return f"an import started threads ({', '.join(others)})"
     if torch.cuda.is_initialized():
         return "an import initialised CUDA"
     with contextlib.suppress(OSError), open("/proc/self/maps") as maps:  # Linux's

@@ -27,6 +27,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.tiny_recipes import write_recipe
 
 CHILD = ["-u", "-m", "tests.launch.fork_child"]
 
@@ -104,6 +105,37 @@ def test_the_workers_start_as_the_spec_says(tmp_path: Path, start: str) -> None:
         proc.send_signal(signal.SIGINT)  # a graceful stop
         result = finish_train(proc, tmp_path)
     assert "stopped" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+# A library nothing of the launcher imports: whether a worker found it imported already.
+_IMPORTS_A_LIBRARY = """
+PRELOADED = "jsonschema" in sys.modules
+import jsonschema  # noqa: E402,F401
+print(f"jsonschema was imported already: {PRELOADED}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("start", "preloaded"), [("auto", True), ("spawn", False)])
+def test_the_libraries_a_recipe_imports_are_imported_once_by_the_server(
+    tmp_path: Path, start: str, preloaded: bool
+) -> None:
+    """The launcher finds the installed libraries a recipe imports as it checks it; the
+    server imports them (never the recipe's own file) before it forks the workers."""
+    pytest.importorskip("jsonschema")
+    write_recipe(tmp_path, hooks=_IMPORTS_A_LIBRARY)
+    spec = write_spec(
+        tmp_path / "run.yaml",
+        recipe={"source": "recipe.py", "dataset": {}},
+        train={"max_steps": 2},
+        checkpoint={"enabled": False},
+    )
+    run_dir = tmp_path / "run"
+    args = ["--config", str(spec), "--run-dir", str(run_dir), f"launch.worker_start={start}"]
+    result = run_train(args, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert f"jsonschema was imported already: {preloaded}" in log, log
 
 
 @pytest.fixture

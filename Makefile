@@ -103,6 +103,7 @@ bench: env
 	$(VENV)/bin/python bench/dims_overhead.py
 	$(VENV)/bin/python bench/hf_pipeline.py
 	$(VENV)/bin/python bench/cli_startup.py
+	$(VENV)/bin/python bench/worker_start.py
 	$(VENV)/bin/python bench/failure_memory.py
 	$(VENV)/bin/python bench/bounded_reads.py
 	$(VENV)/bin/python bench/ema_cost.py

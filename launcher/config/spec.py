@@ -102,8 +102,8 @@ class LaunchSection(Section):
         "instead of the seconds of CPU a new interpreter takes to import them, on every start "
         "and restart; it never imports the recipe itself and touches no device. `spawn`: each "
         "a new interpreter, as "
-        "torchrun starts them. `auto`: `forkserver` on Linux CPUs where it forks more than "
-        "once (2 processes or more per machine or replica group, or restarts), else `spawn` "
+        "torchrun starts them. `auto`: `forkserver` on Linux CPUs where workers may start "
+        "again (`max_restarts` above 0, or `fault_tolerance`'s replica groups), else `spawn` "
         "(on TPUs torch_xla's runtime starts threads in the process that imports it; on GPUs "
         "it is not yet measured). A server that finds CUDA initialised by an import says so "
         "and the workers start as new interpreters.",

@@ -128,8 +128,10 @@ class LaunchPlan:
         xla = self.spec.launch.strategy.startswith("xla")
         if sys.platform != "linux" or self.accelerator != "cpu" or xla:
             return False
-        # A server costs what one worker's imports do: it pays from its second fork.
-        return self.group_size > 1 or self.spec.launch.max_restarts > 0
+        # A first start costs about what it does without the server (its imports, once,
+        # against every worker's at once: bench/worker_start.py); every start after it is
+        # a fork. So: where workers may start again (restarts, replica groups that heal).
+        return self.spec.launch.max_restarts > 0 or self.replica_groups > 0
 
     @property
     def group_host(self) -> str:

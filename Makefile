@@ -72,7 +72,8 @@ DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/worker/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
 	tests/replicas/test_fault_tolerance.py tests/replicas/test_fault_tolerance_exposure.py \
 	tests/launch/test_multinode.py \
-	tests/checkpoint/test_object_store.py tests/checkpoint/test_storage_faults.py
+	tests/checkpoint/test_object_store.py tests/checkpoint/test_storage_faults.py \
+	tests/parallel/test_experts.py
 
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) tests $(DEV_BESIDE:%=--ignore=%)
@@ -102,6 +103,7 @@ bench: env
 	$(VENV)/bin/python bench/fsdp_overhead.py
 	$(VENV)/bin/python bench/dims_overhead.py
 	$(VENV)/bin/python bench/hf_pipeline.py
+	$(VENV)/bin/python bench/hf_experts.py
 	$(VENV)/bin/python bench/cli_startup.py
 	$(VENV)/bin/python bench/worker_start.py
 	$(VENV)/bin/python bench/failure_memory.py

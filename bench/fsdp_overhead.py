@@ -24,10 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from launcher.config.loader import load_cli_spec  # noqa: E402
-from launcher.parallel.dims import resolve_dims  # noqa: E402
+# Imported first: it puts the repository on sys.path, for the launcher's imports below.
+from hf_runs import REPO, as_argv, check_fixed
+
+from launcher.config.loader import load_cli_spec
+from launcher.parallel.dims import resolve_dims
 
 CONFIG = REPO / "bench/gpt_fsdp_bench.yaml"
 RESULTS = REPO / "bench/results"
@@ -38,16 +39,13 @@ def handwritten_args(config: Path) -> list[str]:
     the launcher's own spec loader (defaults applied, `1e-3` a number) as `train` reads it."""
     spec = load_cli_spec(config)
     model, dataset = spec.recipe.model, spec.recipe.dataset
-    # The hand-written loop hard-codes these; a YAML that strays from them is another run.
     fixed = {
         "optim.name": (spec.optim.name, "AdamW"),
         "optim.kwargs": (spec.optim.kwargs, {"weight_decay": 0.0}),
         "run.seed": (spec.run.seed, 0),
         "launch.strategy": (spec.launch.strategy, "fsdp"),
     }
-    for key, (value, expected) in fixed.items():
-        if value != expected:
-            sys.exit(f"{config}: {key} is {value!r}; the hand-written loop runs {expected!r}")
+    check_fixed(config, fixed)
     values = {
         "--steps": spec.train.max_steps,
         "--batch-size": spec.data.batch_size,
@@ -70,7 +68,7 @@ def handwritten_args(config: Path) -> list[str]:
     if dims.pp > 1:
         values["--pp"] = dims.pp
         values["--pp-microbatches"] = spec.parallel.pp_microbatches or dims.pp
-    return ["--fsdp", *(str(x) for pair in values.items() for x in pair)]
+    return ["--fsdp", *as_argv(values)]
 
 
 def run(argv: list[str], **env: str) -> None:

@@ -21,43 +21,23 @@ Rank 0 writes {"steps_run", "first_step_end_unix", "step_times_s", "final_loss",
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
-import os
-import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+import hf_peer
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-from torch.utils.data import DataLoader, DistributedSampler
 from transformers import PreTrainedModel
 from transformers.distributed.pipeline_parallel import apply_pipeline_parallelism
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
-import hf_causal_lm
-
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--batch-size", type=int, default=8, help="a step's, before micro-batches")
+    parser = hf_peer.parser(__doc__, batch_help="a step's, before micro-batches", layers=8)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--clip", type=float, default=1.0, help="the global gradient norm")
-    parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
 
@@ -86,22 +66,6 @@ class LastStage(nn.Module):
         return self.causal_lm_forward(inputs_embeds=hidden, use_cache=False).logits
 
 
-def build_model(args: argparse.Namespace) -> PreTrainedModel:
-    """The recipe's Llama with the weights the launcher gives it: the constructors from the
-    seed, then the model's own init from the seed once more (`init_hf_weights`)."""
-    torch.manual_seed(args.seed)
-    model = hf_causal_lm.build_model(
-        family="llama", vocab_size=args.vocab_size, hidden=args.hidden, layers=args.layers,
-        heads=args.heads, kv_heads=args.kv_heads,
-    )  # fmt: skip
-    # post_init marks every module initialised, after which init_weights would draw nothing.
-    for owner in itertools.chain(model.modules(), model.parameters(), model.buffers()):
-        vars(owner).pop("_is_hf_initialized", None)
-    torch.manual_seed(args.seed)
-    model.init_weights()
-    return model
-
-
 def build_schedule(
     args: argparse.Namespace, model: PreTrainedModel
 ) -> tuple[ScheduleGPipe, nn.Module]:
@@ -128,19 +92,6 @@ def build_schedule(
     return ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=loss_fn), module
 
 
-def batches(args: argparse.Namespace) -> Iterator[dict[str, torch.Tensor]]:
-    """The recipe's train split as the launcher feeds one data-parallel rank: shuffled by the
-    run's seed, epoch after epoch."""
-    dataset = hf_causal_lm.build_dataset("train", seq_len=args.seq_len, vocab_size=args.vocab_size)
-    sampler = DistributedSampler(
-        dataset, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
-    )
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    for epoch in itertools.count():
-        sampler.set_epoch(epoch)
-        yield from loader
-
-
 def clip_over_stages(module: nn.Module, max_norm: float) -> None:
     """torch's clip, with the norm of every stage's gradients together."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -151,10 +102,10 @@ def clip_over_stages(module: nn.Module, max_norm: float) -> None:
 
 def train(args: argparse.Namespace) -> tuple[list[float], list[float], float]:
     """Every step's time and loss (the last stage's, on every rank), and when the first ended."""
-    schedule, module = build_schedule(args, build_model(args))
+    schedule, module = build_schedule(args, hf_peer.build_model(args, "llama"))
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)
     first, last = dist.get_rank() == 0, dist.get_rank() == dist.get_world_size() - 1
-    feed = batches(args)
+    feed = hf_peer.batches(args)
     step_times, losses, first_end = [], [], 0.0
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -178,22 +129,8 @@ def train(args: argparse.Namespace) -> tuple[list[float], list[float], float]:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
-    step_times, losses, first_end = train(args)
-    if dist.get_rank() == 0:
-        summary = {
-            "final_loss": losses[-1],
-            "steps_run": len(step_times),
-            "first_step_end_unix": first_end,
-            "step_times_s": step_times,
-            "losses": losses,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary))
-    dist.destroy_process_group()
+    hf_peer.run(lambda: hf_peer.summary(*train(args)), args.out)
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" not in os.environ:
-        sys.exit("run this under torchrun; see the module docstring")
     main()

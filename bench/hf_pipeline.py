@@ -25,34 +25,19 @@ Prints one table and writes bench/results/hf_pp_vs_transformers.json.
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
-import os
-import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-from compare import CommandFailed, measure, run_command  # noqa: E402
-from machine_load import others_share, wait_until_quiet  # noqa: E402
+# Imported first: it puts the repository on sys.path, for the launcher's imports below.
+import hf_runs
+from hf_runs import CLEAN_SHARE, COMPARED_STEPS, REPO
 
-from launcher.config.loader import load_cli_spec  # noqa: E402
-from launcher.rundir.layout import RunLayout  # noqa: E402
+from launcher.config.loader import load_cli_spec
 
 CONFIG = REPO / "bench/hf_pp_bench.yaml"
-RESULTS = REPO / "bench/results"
-# Same weights and batches agree to float32 rounding (a few 1e-7) for the first steps; a
-# different initial weight or batch moves the first loss by 1e-2 or more. Later steps drift
-# apart as the rounding of two sums of the gradient norm feeds AdamW.
-LOSS_TOLERANCE = 1e-5
-COMPARED_STEPS = 10
+PEER = "bench/handwritten_hf_pipeline.py"
 
 
 def peer_args(config: Path) -> list[str]:
@@ -60,7 +45,6 @@ def peer_args(config: Path) -> list[str]:
     through the launcher's own spec loader as `train` reads it."""
     spec = load_cli_spec(config)
     model, dataset = spec.recipe.model, spec.recipe.dataset
-    # The hand-written loop hard-codes these; a YAML that strays from them is another run.
     fixed = {
         "optim.name": (spec.optim.name, "AdamW"),
         "optim.kwargs": (spec.optim.kwargs, {"weight_decay": 0.0}),
@@ -74,9 +58,7 @@ def peer_args(config: Path) -> list[str]:
         "data.shuffle": (spec.data.shuffle, True),
         "train.log_every": (spec.train.log_every, 1),
     }
-    for key, (value, expected) in fixed.items():
-        if value != expected:
-            sys.exit(f"{config}: {key} is {value!r}; the hand-written loop runs {expected!r}")
+    hf_runs.check_fixed(config, fixed)
     values = {
         "--steps": spec.train.max_steps,
         "--batch-size": spec.data.batch_size,
@@ -91,81 +73,37 @@ def peer_args(config: Path) -> list[str]:
         "--kv-heads": model["kv_heads"],
         "--seq-len": dataset["seq_len"],
     }
-    return [str(x) for pair in values.items() for x in pair]
+    return hf_runs.as_argv(values)
 
 
-def run_ours(train: str, run_dir: Path) -> dict:
-    """One launcher run: its measure, and every step's loss from its metrics."""
-    argv = [*shlex.split(train), "--config", str(CONFIG), "--run-dir", str(run_dir)]
-    start, wall = run_command(argv, dict(os.environ), timeout=600)
-    layout = RunLayout(run_dir)
-    records = [json.loads(line) for line in layout.metrics.read_text().splitlines()]
-    steps = [r for r in records if "loss" in r and "step" in r]
-    measured = measure(layout.summary, start, wall)
-    # The launcher's step time leaves out what follows a step (its log line, the stop
-    # check's all-reduce); the times its lines were logged at, one a step, keep it.
-    times = [r["time"] for r in steps]
-    periods = [later - earlier for earlier, later in itertools.pairwise(times)]
-    measured["period_ms_per_step"] = steady_ms(periods)
-    return {**measured, "losses": [r["loss"] for r in steps]}
+def ours_run(train: str, run_dir: Path) -> dict:
+    """One launcher run: its measure, step to step, and every step's loss."""
+    measured, losses, _ = hf_runs.run_ours(train, CONFIG, run_dir)
+    return {**measured, "losses": losses}
 
 
-def run_peer(args: list[str], run_dir: Path) -> dict:
-    """One hand-written run (torchrun, OMP_NUM_THREADS=1 as torchrun's default)."""
-    out = run_dir / "summary.json"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv += ["--nproc-per-node", "2", "bench/handwritten_hf_pipeline.py", *args]
-    start, wall = run_command(
-        [*argv, "--out", str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600
-    )
-    measured = measure(out, start, wall)
-    # Its timed step is the whole loop: nothing runs between two steps.
-    summary = json.loads(out.read_text())
-    measured["period_ms_per_step"] = steady_ms(summary["step_times_s"][1:])
+def peer_run(args: list[str], run_dir: Path) -> dict:
+    """One hand-written run: its measure, step to step, and every step's loss."""
+    measured, summary = hf_runs.run_peer(PEER, args, run_dir)
     return {**measured, "losses": summary["losses"]}
-
-
-def steady_ms(seconds: list[float]) -> float:
-    """The median, in ms, of a step's seconds after the warm-up steps that bench/compare.py's
-    `measure` leaves out; `seconds` from step 2 on (the period of step 1 is unknown)."""
-    skip = max(5, (len(seconds) + 1) // 10)
-    return 1000 * statistics.median(seconds[skip:])
 
 
 def run_pairs(train: str, repeats: int, quiet: float, max_wait_s: float) -> dict[str, list[dict]]:
     """`repeats` runs of each side, alternating which goes first (ABBA); each pair after
     other programs have left the machine `quiet` (bench/machine_load.py), or `max_wait_s`."""
-    args = peer_args(CONFIG)
-    runners = {"peer": lambda d: run_peer(args, d), "ours": lambda d: run_ours(train, d)}
-    runs: dict[str, list[dict]] = {name: [] for name in runners}
-    for repeat in range(repeats):
-        order = list(runners) if repeat % 2 == 0 else list(reversed(runners))
-        before = wait_until_quiet(quiet, max_wait_s)
-        for name in order:
-            prefix = f"bench-hf-pp-{name}-"
-            with tempfile.TemporaryDirectory(prefix=prefix) as run_dir, others_share() as load:
-                measured = runners[name](Path(run_dir))
-            runs[name].append({**measured, **load, "others_cpu_share_before": before})
-            shown = {k: v for k, v in runs[name][-1].items() if k != "losses"}
-            print(f"repeat {repeat + 1}/{repeats} {name}: {shown}", flush=True)
-    return runs
+    runners = {"peer": partial(peer_run, peer_args(CONFIG)), "ours": partial(ours_run, train)}
+    rounds = hf_runs.run_rounds(runners, repeats, quiet, max_wait_s, prefix="bench-hf-pp")
+    return {name: [found[name] for found in rounds] for name in runners}
 
 
 def loss_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
     """The largest difference of a step's loss between the two sides, over every pair: over
     the first `COMPARED_STEPS` steps, and over every step."""
-    pairs = list(zip(runs["ours"], runs["peer"], strict=True))
-    diffs = [[abs(a - b) for a, b in zip(o["losses"], p["losses"], strict=True)] for o, p in pairs]
-    return {
-        f"max_abs_first_{COMPARED_STEPS}_steps": max(max(d[:COMPARED_STEPS]) for d in diffs),
-        "max_abs_all_steps": max(max(d) for d in diffs),
-    }
+    pairs = zip(runs["ours"], runs["peer"], strict=True)
+    return hf_runs.loss_gap([(ours["losses"], peer["losses"]) for ours, peer in pairs])
 
 
 METRICS = ("steady_ms_per_step", "period_ms_per_step", "wall_s")
-# A pair is clean where other programs kept less than this share of the cores busy during
-# both of its runs: a few percent moves a step by about as much.
-CLEAN_SHARE = 0.05
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -232,53 +170,20 @@ def markdown_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def machine() -> dict[str, object]:
-    """What the numbers were measured on and with."""
-    import platform
-
-    import torch
-    import transformers
-
-    return {
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", default=str(REPO / ".venv/bin/train"), help="ours")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each side")
-    parser.add_argument(
-        "--quiet", type=float, default=0.1, help="start a pair below this share of others' CPU"
-    )
-    parser.add_argument("--max-wait", type=float, default=60, help="seconds a pair, --quiet")
-    args = parser.parse_args()
-    # The first process to import torch would otherwise pay for a cold page cache.
-    subprocess.run([sys.executable, "-c", "import transformers, torch.distributed.run"], check=True)
-    try:
-        runs = run_pairs(args.train, args.repeats, args.quiet, args.max_wait)
-    except CommandFailed as err:
-        print(f"benchmark aborted: {err}", file=sys.stderr)
+    args = hf_runs.driver_args(__doc__, repeats=4, repeats_help="runs of each side", unit="pair")
+    runs = hf_runs.collect(lambda: run_pairs(args.train, args.repeats, args.quiet, args.max_wait))
+    if runs is None:
         return 1
     result = summarise(runs)
-    table = markdown_table(result)
-    print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"config": str(CONFIG.relative_to(REPO)), "peer_args": peer_args(CONFIG)}
-    record |= {"machine": machine(), "quiet": args.quiet, "max_wait_s": args.max_wait}
-    record |= {"repeats": args.repeats, "runs": runs, **result, "table_markdown": table}
-    out = RESULTS / "hf_pp_vs_transformers.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
-    first = result["loss_gaps"][f"max_abs_first_{COMPARED_STEPS}_steps"]
-    if first > LOSS_TOLERANCE:
-        print(f"losses differ by {first:.2e} over the first steps: different work", file=sys.stderr)
-        return 1
-    return 0
+    head = {"config": str(CONFIG.relative_to(REPO)), "peer_args": peer_args(CONFIG)}
+    hf_runs.publish(
+        "hf_pp_vs_transformers.json", markdown_table(result), args, head, {"runs": runs, **result}
+    )
+    return hf_runs.losses_agree(
+        result["loss_gaps"][f"max_abs_first_{COMPARED_STEPS}_steps"],
+        "losses differ by {:.2e} over the first steps: different work",
+    )
 
 
 if __name__ == "__main__":

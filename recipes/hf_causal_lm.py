@@ -1,5 +1,6 @@
-"""A Hugging Face causal language model of a stock family (Llama, Qwen2, Qwen3, GPT-2), built
-from a small config (no download), learning to count. No pipeline hooks: under
+"""A Hugging Face causal language model of a stock family (Llama, Qwen2, Qwen3, GPT-2, and the
+mixtures of experts Qwen3-MoE, Mixtral and OLMoE), built from a small config (no download),
+learning to count. No pipeline hooks: under
 `parallel.pp` the launcher cuts the model by its own plan and supplies the causal LM's
 `split_batch` and `loss_from_output` (docs/fsdp-and-parallelism.md, 'Pipeline parallelism').
 
@@ -21,7 +22,13 @@ FAMILIES = {
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 16},
     "gpt2": {"model_type": "gpt2"},
+    # Mixtures of experts: `experts` per layer, `top_k` of them per token (`parallel.ep`
+    # spreads them over processes), their load-balancing loss in the model's loss.
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16},
+    "mixtral": {"model_type": "mixtral"},
+    "olmoe": {"model_type": "olmoe"},
 }
+MOE = {"qwen3_moe", "mixtral", "olmoe"}
 
 
 def build_model(
@@ -32,9 +39,14 @@ def build_model(
     heads: int = 4,
     kv_heads: int = 2,
     tie_word_embeddings: bool | None = None,
+    experts: int = 4,
+    top_k: int = 2,
+    aux_loss_coef: float = 0.01,
 ) -> PreTrainedModel:
     """The family's model at this size; `tie_word_embeddings`: None keeps the family's
-    default (GPT-2 ties its head to its input embedding; Llama and Qwen do not)."""
+    default (GPT-2 ties its head to its input embedding; Llama and Qwen do not). A mixture of
+    experts has `experts` per layer, `top_k` per token, and adds its router's load-balancing
+    loss times `aux_loss_coef` to its loss (0: none)."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
     extra = dict(FAMILIES[family])
@@ -48,6 +60,11 @@ def build_model(
                      num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
                      pad_token_id=None)  # fmt: skip
+    if family in MOE:
+        shape.update(num_experts=experts, num_local_experts=experts, num_experts_per_tok=top_k,
+                     moe_intermediate_size=hidden, intermediate_size=hidden,
+                     output_router_logits=aux_loss_coef > 0,
+                     router_aux_loss_coef=aux_loss_coef)  # fmt: skip
     if tie_word_embeddings is not None:
         shape["tie_word_embeddings"] = tie_word_embeddings
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **shape, **extra)

@@ -31,6 +31,7 @@ from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.parallel.base import map_tensors
 from launcher.parallel.dims import resolve_dims
+from launcher.parallel.experts import describe_experts
 from launcher.parallel.memory_estimate import MemoryEstimate
 from launcher.parallel.sharded_init import MetaBuildFailed, build_on_meta
 from launcher.parallel.tensor_parallel import check_plan
@@ -68,6 +69,9 @@ def dry_build(spec: RunSpec, origin: str = "") -> str:
         parts.append(weights_fit(spec.load, model))
     if spec.parallel.tp > 1:
         check_plan(model, recipe.parallelize_hook(), spec.parallel.tp)
+    experts = describe_experts(model, spec.parallel.ep)
+    if experts:
+        parts.append(experts)
     if spec.parallel.pp > 1:
         parts.append(pipeline_fits(spec, recipe, model))
     train_part, batch = _train_summary(recipe, spec)

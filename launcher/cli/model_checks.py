@@ -9,7 +9,9 @@ Like `recipe_check.py`, it calls the workers' code in the launcher's process onl
 from __future__ import annotations
 
 import re
+import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,7 +121,21 @@ def meta_limit(exc: Exception) -> str | None:
     the recipe's own error."""
     text = str(exc)
     if not isinstance(exc, NotImplementedError) and "meta" not in text:
-        return None
+        # A meta kernel stricter than the device's (torch 2.13's grouped_mm takes bf16 alone
+        # on meta, fp32 on CPU, as transformers' experts run it): not the recipe's error.
+        kernel = _meta_kernel_of(exc)
+        if kernel is None:
+            return None
+        return f"it cannot run on the meta device: {kernel} refuses what the device runs"
     op = re.search(r"aten::\w+|torch\.\w+\(\)|Tensor\.\w+\(\)", text)
     found = op.group(0) if op else text.splitlines()[0][:80] if text else type(exc).__name__
     return f"it cannot run on the meta device: {found}"
+
+
+def _meta_kernel_of(exc: Exception) -> str | None:
+    """The meta kernel of torch's that raised `exc` (`torch/_meta_registrations.py`), if one did."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename)
+        if path.name == "_meta_registrations.py" and path.parent.name == "torch":
+            return frame.name.removeprefix("_meta_").removesuffix("_common")
+    return None

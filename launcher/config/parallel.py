@@ -70,6 +70,17 @@ class ParallelSection(Section):
         "parallel group share each batch, so `data.batch_size` stays per data-parallel rank "
         "(of which there are world / tp). fsdp only (it shards over the rest of the world).",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel degree: a mixture-of-experts model's experts spread over "
+        "`ep` processes, each holding 1/ep of every expert tensor, tokens sent to their "
+        "experts and back by all-to-all. The `ep` processes are data-parallel ranks of one "
+        "replica: `ep` divides `dp_shard`, and the experts are FSDP-sharded over the "
+        "`dp_shard / ep` ranks left. fsdp only, without `pp` or `tp` for now. The model's "
+        "experts are its `ep_plan` (a Hugging Face model's `base_model_ep_plan`; "
+        "docs/fsdp-and-parallelism.md, 'Expert parallelism').",
+    )
 
 
 def kept_on_resume(strategy: str, name: str, value: Any) -> bool:

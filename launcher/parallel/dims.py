@@ -19,6 +19,8 @@ from typing import Any
 
 from launcher.config.parallel import ParallelSection
 from launcher.errors import UsageError
+from launcher.parallel.experts import DOCS as EXPERT_DOCS
+from launcher.parallel.experts import EXPERT_AXES
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 DOCS = "docs/fsdp-and-parallelism.md, 'Parallelism as dimensions'"
@@ -30,6 +32,10 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    # Expert parallelism: data-parallel ranks of one replica (a divisor of dp_shard) that
+    # share their experts, each holding 1/ep of them (`launcher.parallel.experts`). Not an
+    # axis of the world's grid: the experts have a mesh of their own (`build_expert_mesh`).
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -56,14 +62,14 @@ class ParallelDims:
 
     def as_record(self) -> dict[str, int]:
         """The layout as a checkpoint's meta.json keeps it (`from_record` reads it back)."""
-        return dict(zip(MESH_AXES, self.astuple(), strict=True))
+        return {**dict(zip(MESH_AXES, self.astuple(), strict=True)), "ep": self.ep}
 
     @classmethod
     def from_record(cls, record: dict[str, Any] | None, world: int, tp: int = 1) -> ParallelDims:
         """A layout `as_record` wrote; for a checkpoint older than it, which kept `tp` alone,
         the layout that maps its ranks to data ranks alike."""
         if record:
-            return cls(**{axis: int(record.get(axis, 1)) for axis in MESH_AXES})
+            return cls(**{axis: int(record.get(axis, 1)) for axis in (*MESH_AXES, "ep")})
         return cls(dp_replicate=max(1, world // tp), tp=tp)
 
     @property
@@ -81,10 +87,22 @@ class ParallelDims:
         names, shape = zip(*axes, strict=True) if axes else (("dp_shard",), (1,))
         return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
+    def build_expert_mesh(self, device_type: str) -> Any:
+        """The experts' `DeviceMesh` (`launcher.parallel.experts.EXPERT_AXES`): each replica's
+        `dp_shard` ranks as `efsdp x ep`, `ep` the consecutive ranks that share their experts;
+        None without expert parallelism. Collective, as `build_mesh` is."""
+        if self.ep == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, 1)
+        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_AXES)
+
     def describe(self) -> str:
-        """e.g. `pp 2 x dp_shard 2 x tp 2`, leaving out the degrees of 1."""
+        """e.g. `pp 2 x dp_shard 2 x tp 2`, leaving out the degrees of 1 (`ep` last)."""
         named = [f"{axis} {degree}" for axis, degree in zip(MESH_AXES, self.astuple(), strict=True)]
         shown = [text for text, degree in zip(named, self.astuple(), strict=True) if degree > 1]
+        shown += [f"ep {self.ep}"] if self.ep > 1 else []
         return " x ".join(shown) or "1 process"
 
     def astuple(self) -> tuple[int, int, int, int]:
@@ -108,7 +126,7 @@ def resolve_dims(
         return _ddp_dims(section, world)
     if strategy == "fsdp":
         return _fsdp_dims(section, world, per_node)
-    degrees = {axis: getattr(section, axis) for axis in MESH_AXES}
+    degrees = {axis: getattr(section, axis) for axis in (*MESH_AXES, "ep")}
     given = [key for key, value in degrees.items() if value not in (None, 1)]
     if given:
         raise UsageError(
@@ -120,6 +138,13 @@ def resolve_dims(
 
 
 def _ddp_dims(section: ParallelSection, world: int) -> ParallelDims:
+    if section.ep > 1:
+        raise UsageError(
+            f"parallel.ep: {section.ep}, but ddp keeps every expert in every process; "
+            "experts spread over processes need launch.strategy: fsdp",
+            hint="Set launch.strategy: fsdp (its parallel.dp_shard ranks lend themselves to the "
+            f"experts), or parallel.ep: 1 ({EXPERT_DOCS}).",
+        )
     if section.pp > 1 or section.tp > 1 or section.dp_shard not in (None, 1):
         key = "pp" if section.pp > 1 else "tp" if section.tp > 1 else "dp_shard"
         raise UsageError(
@@ -160,7 +185,7 @@ def _fsdp_dims(section: ParallelSection, world: int, per_node: int) -> ParallelD
         replicate = _rest(stage_world, shard * tp) if isinstance(shard, int) else 1
     if shard in (None, "auto"):
         shard = _rest(stage_world, replicate * tp)
-    dims = ParallelDims(int(replicate), int(shard), tp, pp)  # type: ignore[arg-type]
+    dims = ParallelDims(int(replicate), int(shard), tp, pp, section.ep)  # type: ignore[arg-type]
     if pp > 1 and section.pp_schedule == "ZBVZeroBubble" and dims.dp_size > 1:
         # Its backward computes weight gradients after the input gradients, apart, and FSDP
         # reduces them before they are all there: wrong gradients, without an error.
@@ -180,7 +205,27 @@ def _fsdp_dims(section: ParallelSection, world: int, per_node: int) -> ParallelD
             hint="Choose degrees whose product is the world size (the devices times the "
             "nodes), or leave one of dp_replicate or dp_shard unset to take what is left.",
         )
+    if dims.ep > 1:
+        _check_experts(dims)
     return dims
+
+
+def _check_experts(dims: ParallelDims) -> None:
+    """`ep` borrows from each replica's `dp_shard` ranks (torchtitan's dp2ep)."""
+    ep = dims.ep
+    if dims.pp > 1 or dims.tp > 1:
+        key = "pp" if dims.pp > 1 else "tp"
+        raise UsageError(
+            f"parallel.ep: experts spread over processes do not yet combine with parallel.{key}",
+            hint=f"Set parallel.{key}: 1 with parallel.ep, or parallel.ep: 1 ({EXPERT_DOCS}).",
+        )
+    if dims.dp_shard % ep:
+        raise UsageError(
+            f"parallel.ep: {ep} does not divide the {dims.dp_shard} data-parallel ranks of a "
+            "replica (parallel.dp_shard), which lend themselves to the experts",
+            hint=f"Choose an ep that divides {dims.dp_shard}, or set parallel.dp_shard to a "
+            f"multiple of {ep}.",
+        )
 
 
 def _rest(world: int, taken: int) -> int:

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from launcher.config.spec import FSDPSection
 from launcher.metrics.memory import local_bytes, size_text
 from launcher.parallel.dims import ParallelDims, data_mesh
+from launcher.parallel.experts import apply_expert_parallel, shard_experts
 from launcher.parallel.pipeline.given import PipelineInput
 from launcher.parallel.pipeline.runner import build_pipeline
 from launcher.parallel.pipeline.stages import StageParts
@@ -227,10 +228,14 @@ def lay_out(
     tensor-parallel plan came from; None without one."""
     units = shard_units(model, options.wrap).modules
     source = apply_tensor_parallel(model, mesh["tp"], parallelize) if dims.tp > 1 else None
+    expert_mesh = dims.build_expert_mesh(mesh.device_type) if dims.ep > 1 else None
+    experts = apply_expert_parallel(model, expert_mesh) if expert_mesh is not None else []
     checkpoint_activations(units, options)
     if compile_units is not None:
         compile_units(model, units)
     data = data_mesh(mesh) if mesh is not None else None
+    if experts:  # over the data ranks each expert has left, before the blocks holding them
+        shard_experts(experts, expert_mesh, dims.dp_size, **fsdp_options(options))
     if data is not None:  # none: tensor parallelism alone
         shard_model(model, units, data, options)
     return source
@@ -248,8 +253,15 @@ def checkpoint_activations(units: list[nn.Module], options: FSDPSection) -> None
 def shard_model(model: nn.Module, units: list[nn.Module], mesh: Any, options: FSDPSection) -> None:
     """FSDP2 over `mesh`: each unit, then the root. A 2-D mesh (dp_replicate, dp_shard) is HSDP:
     each unit's parameters sharded within a replica, its gradients all-reduced across them."""
+    kwargs = fsdp_options(options)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+
+
+def fsdp_options(options: FSDPSection) -> dict[str, Any]:
+    """`fully_shard`'s options, but the mesh, from the `fsdp` section."""
     kwargs: dict[str, Any] = {
-        "mesh": mesh,
         "reshard_after_forward": options.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=dtype_of(options.param_dtype),
@@ -258,6 +270,4 @@ def shard_model(model: nn.Module, units: list[nn.Module], mesh: Any, options: FS
     }
     if options.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for unit in units:
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    return kwargs

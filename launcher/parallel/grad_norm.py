@@ -77,7 +77,8 @@ def _squares(shards: list[torch.Tensor], mesh: Any, axes: tuple[int, ...]) -> to
         norms = [n.to(device, torch.float32) for n in norms]
     squares = torch.stack(norms).square().sum()
     for axis in axes:
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+        if mesh.size(axis) > 1:  # an axis of 1 (the experts' `efsdp`, say) has none to add
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
     return squares
 
 

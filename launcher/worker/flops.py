@@ -10,7 +10,8 @@ the counter, for that one micro-batch). A resumed run keeps the count its checkp
 its batches have the same shapes, so that its steps are those of a run that never stopped.
 Under activation checkpointing the recomputed forward counts too. The CPU's fused attention
 (`_scaled_dot_product_flash_attention_for_cpu`), which the counter has no formula for, is
-counted by torch's own formula for its GPU siblings. Ops that do a model's heavy work but have
+counted by torch's own formula for its GPU siblings, and grouped-query attention as attention
+over the query's heads. Ops that do a model's heavy work but have
 no formula in the counter (a CPU LSTM's `mkldnn_rnn_layer`) are named in one line, once: the
 count leaves their work out.
 """
@@ -66,25 +67,67 @@ def count_flops(recipe: Recipe, model: torch.nn.Module, batch: Any) -> int:
 
 
 def flop_counter() -> Any:
-    """torch's `FlopCounterMode`, silent, with formulas for the CPU's fused attention: its
-    forward and backward take the arguments of the GPU kernels' (query, key, value first;
-    the gradient of the output before them backward), whose formulas torch has."""
+    """torch's `FlopCounterMode`, silent, with torch's attention formulas given key-value heads
+    broadcast to the query's (`attention_formulas`)."""
     from torch.utils import flop_counter
 
-    aten = torch.ops.aten
-    cpu_attention = {
-        aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: (
-            flop_counter.sdpa_backward_flop
-        ),
-    }
-    # Those formulas are registered wrapped (shapes in place of tensors); the mapping wraps
-    # what it is given, so it is given them unwrapped.
-    mapping = {op: formula.__wrapped__ for op, formula in cpu_attention.items()}
-    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=attention_formulas())
     if hasattr(counter, "mod_tracker"):
         counter.mod_tracker = _TotalOnly()
     return counter
+
+
+# The fused attention ops (query, key, value of shape [batch, heads, length, dim] first, the
+# gradient of the output before them backward): the GPU kernels', whose formulas torch has,
+# and the CPU's, which it has none for.
+_ATTENTION = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def attention_formulas() -> dict[Any, Any]:
+    """torch's formulas for each fused attention op of this torch, forward and backward, over
+    shapes, given key and value with the query's heads: grouped-query attention (fewer
+    key-value heads, `enable_gqa`) costs what the kernels broadcast it to, and torch 2.9 and
+    2.11's formulas refuse its shapes. The counter wraps what it is given (shapes in place of
+    tensors), so it is given the formulas unwrapped."""
+    from torch.utils import flop_counter
+
+    forward = flop_counter.sdpa_flop.__wrapped__
+    backward = flop_counter.sdpa_backward_flop.__wrapped__
+    formulas: dict[Any, Any] = {}
+    for name in _ATTENTION:
+        for op_name, count in (
+            (name, _forward(forward)),
+            (f"{name}_backward", _backward(backward)),
+        ):
+            op = getattr(torch.ops.aten, op_name, None)
+            if op is not None:
+                formulas[op] = count
+    return formulas
+
+
+def _query_heads(shape: Any, query: Any) -> Any:
+    """A key's or value's shape [b, h, s, d] with the query's heads."""
+    return (shape[0], query[1], *shape[2:]) if len(shape) == 4 == len(query) else shape
+
+
+def _forward(formula: Any) -> Any:
+    def count(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        return formula(query, _query_heads(key, query), _query_heads(value, query), *args, **kwargs)
+
+    return count
+
+
+def _backward(formula: Any) -> Any:
+    def count(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        heads = (_query_heads(key, query), _query_heads(value, query))
+        return formula(grad, query, *heads, *args, **kwargs)
+
+    return count
 
 
 class _TotalOnly:

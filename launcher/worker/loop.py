@@ -32,6 +32,7 @@ from launcher.worker.data import (
 )
 from launcher.worker.ema import WeightAverage
 from launcher.worker.evaluation import Evaluator
+from launcher.worker.expert_load import ExpertLoad
 from launcher.worker.flops import Speed
 from launcher.worker.metrics_window import MetricsWindow
 from launcher.worker.optim import build_optimizer, build_scheduler, group_settings, rates_used
@@ -90,6 +91,8 @@ class Trainer:
         self.report = Reporter(
             spec, strategy, self.telemetry, self.total_steps, self.steps_per_epoch, self.speed
         )
+        if self.expert_load is not None:
+            self.report.watch(self.expert_load.warning)
         self.profiler = StepProfiler(
             spec.train.profile, self.layout, strategy.engine.log_rank, strategy.device
         )
@@ -117,6 +120,9 @@ class Trainer:
         )
         self.memory: dict[str, int] = {"build_rss_delta": memory.rss_bytes() - rss_before_build}
         load_weights(model, strategy, spec.load, resuming=self.resume_from is not None)
+        # A mixture of experts: its router's figures join the recipe's metrics.
+        self.expert_load = ExpertLoad.attach(model)
+        self.loss_of = self.expert_load.around(recipe.loss) if self.expert_load else recipe.loss
         return model
 
     def _start(self, decided: Path | None, nodes_may_join: bool = True) -> Path | None:
@@ -350,7 +356,7 @@ class Trainer:
             sync = i == accum - 1
             with self.strategy.sync_gradients(self.model, sync), self.speed.counting(batch):
                 loss, metrics = self.strategy.steps.forward_backward(
-                    self.model, batch, self.recipe.loss, accum
+                    self.model, batch, self.loss_of, accum
                 )
             # Accumulate on the device: reading a value here would stall the pipeline.
             loss = loss.detach().float()

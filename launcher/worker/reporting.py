@@ -38,6 +38,13 @@ class Reporter:
         self.last_val: float | None = None  # the table's `val` column
         monitor = spec.checkpoint.monitor or spec.early_stop.monitor
         self.shown_val = monitor or "val/loss"
+        # What looks at each logged window's means, and may warn (`watch`).
+        self._watchers: list[Callable[[dict[str, float], int], str | None]] = []
+
+    def watch(self, watcher: Callable[[dict[str, float], int], str | None]) -> None:
+        """`watcher(means, steps)` sees each logged window (its means over the replicas and
+        its number of steps); what it returns is said as a warning."""
+        self._watchers.append(watcher)
 
     def introduce(self, grouping: Grouping, samples: int | None, resumed_at: int | None) -> None:
         """`samples`: this rank's share of an epoch; None for a stream."""
@@ -104,10 +111,13 @@ class Reporter:
             [reduced, local["loss"].reshape(1).to(reduced.dtype), own.to(reduced.dtype)]
         )
         per_step = window.seconds_per_step()
+        steps = window.steps
 
         def report(host: list[float]) -> None:
             mean = dict(zip(names, host[: len(names)], strict=True))
             self._report(mean, host[len(names)], step, epoch, rates, per_step)
+            for watcher in self._watchers:
+                self.say_for_run(f"warning: {said}" if (said := watcher(mean, steps)) else "")
             receive_own(host[len(names) + 1 :])
 
         self.strategy.read(values, report)

@@ -5,14 +5,28 @@ reference on 2 processes is trained once per session (`tests/parallel/conftest.p
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, metrics_of, run_train
+from tests.conftest import (
+    REPO,
+    finish_train,
+    metrics_of,
+    only_run_dir,
+    run_train,
+    start_train,
+    wait_for_step,
+)
 from tests.forked_train import train_in_fork
 
 # fp32, no dropout: the layouts differ only in how sums are ordered.
@@ -100,3 +114,78 @@ def assert_exports_alike(folder: Path, ours: str, theirs: str) -> None:
     assert mine.keys() == other.keys()
     for key, tensor in other.items():
         torch.testing.assert_close(mine[key], tensor, rtol=1e-4, atol=1e-5)
+
+
+def assert_a_killed_run_resumes_bit_for_bit(folder: Path, run: str) -> None:
+    """`folder/run.yaml` started again, SIGKILLed whole past its step-10 save, then `--resume
+    latest`: steps 11-20 and the exported weights are those of `folder/run`, uninterrupted,
+    to the bit."""
+    spec = folder / f"{run}.yaml"
+    proc = start_train(["--config", str(spec)], folder)  # into runs/, where latest looks
+    try:
+        wait_for_step(wait_for_run_dir(folder / "runs"), 0, 13, proc)  # past the step-10 save
+        kill_tree(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    resumed = finish_train(
+        start_train(["--config", str(spec), "--resume", "latest"], folder), folder, timeout=240
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    run_dir = only_run_dir(folder / "runs")
+    ours, theirs = curves(run_dir), curves(folder / run)
+    # Steps 11-20 as the uninterrupted run logged them, to the bit (steps 11-13 logged twice).
+    assert ours[0][-10:] == theirs[0][-10:] and ours[1][-10:] == theirs[1][-10:]
+    exported = [export_plain(folder, name) for name in (str(run_dir), run)]
+    for key, tensor in exported[1].items():
+        assert torch.equal(exported[0][key], tensor), key
+
+
+def wait_for_run_dir(runs: Path) -> Path:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = [p for p in runs.glob("*/*") if p.is_dir()] if runs.exists() else []
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    pytest.fail(f"no run folder appeared under {runs}")
+
+
+def kill_tree(proc: object) -> None:
+    """SIGKILL of the launcher and every process under it (the whole run)."""
+    root = psutil.Process(proc.pid)  # type: ignore[attr-defined]
+    tree = [root, *root.children(recursive=True)]
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(tree, timeout=30)
+
+
+def export_plain(folder: Path, run: str) -> dict[str, torch.Tensor]:
+    out = folder / f"{Path(run).name}.pt"
+    result = train_in_fork(["export", str(folder / run), "--out", str(out)], folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(out)
+
+
+def assert_hf_export_matches(folder: Path, ours: str, theirs: str, family: str) -> None:
+    """`export --hf` of both runs loads with `from_pretrained`; the logits agree within 1e-5."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for name in (ours, theirs):
+        out = folder / f"{name}-hf"
+        result = train_in_fork(["export", str(folder / name), "--hf", str(out)], folder)
+        assert result.returncode == 0, result.stdout + result.stderr
+        model = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+        if family == "gpt2":
+            assert model.lm_head.weight is model.transformer.wte.weight
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def _transformers() -> Any:  # imported where a test compares Hugging Face exports
+    import transformers
+
+    return transformers

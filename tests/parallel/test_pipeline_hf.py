@@ -8,27 +8,26 @@ whole model's names, so they resume bit for bit, resume as ddp, and export for
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from launcher.parallel.pipeline.layout import MIN_TORCH
 from tests.conftest import (
     REPO,
-    finish_train,
-    only_run_dir,
-    start_train,
     usage_error,
-    wait_for_step,
 )
 from tests.forked_train import train_in_fork
-from tests.parallel.layouts import assert_close, curves, resumes_as_ddp, spec_file, train
+from tests.parallel.layouts import (
+    assert_a_killed_run_resumes_bit_for_bit,
+    assert_close,
+    assert_hf_export_matches,
+    curves,
+    resumes_as_ddp,
+    spec_file,
+    train,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [
@@ -131,69 +130,7 @@ def test_a_pipeline_checkpoint_resumes_as_ddp_and_exports_for_from_pretrained(ll
 
 
 def test_a_killed_pipeline_resumes_latest_bit_for_bit(llama: Path) -> None:
-    spec = llama / "llama-1F1B.yaml"
-    proc = start_train(["--config", str(spec)], llama)  # into runs/, where latest looks
-    try:
-        wait_for_step(wait_for_run_dir(llama / "runs"), 0, 13, proc)  # past the step-10 save
-        kill_tree(proc)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-    resumed = finish_train(
-        start_train(["--config", str(spec), "--resume", "latest"], llama), llama, timeout=240
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    run_dir = only_run_dir(llama / "runs")
-    ours, theirs = curves(run_dir), curves(llama / "llama-1F1B")
-    # Steps 11-20 as the uninterrupted run logged them, to the bit (steps 11-13 logged twice).
-    assert ours[0][-10:] == theirs[0][-10:] and ours[1][-10:] == theirs[1][-10:]
-    exported = [export_plain(llama, name) for name in (str(run_dir), "llama-1F1B")]
-    for key, tensor in exported[1].items():
-        assert torch.equal(exported[0][key], tensor), key
-
-
-def wait_for_run_dir(runs: Path) -> Path:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        found = [p for p in runs.glob("*/*") if p.is_dir()] if runs.exists() else []
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    pytest.fail(f"no run folder appeared under {runs}")
-
-
-def kill_tree(proc: object) -> None:
-    """SIGKILL of the launcher and every process under it (the whole run)."""
-    root = psutil.Process(proc.pid)  # type: ignore[attr-defined]
-    tree = [root, *root.children(recursive=True)]
-    for p in tree:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(tree, timeout=30)
-
-
-def export_plain(folder: Path, run: str) -> dict[str, torch.Tensor]:
-    out = folder / f"{Path(run).name}.pt"
-    result = train_in_fork(["export", str(folder / run), "--out", str(out)], folder)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return torch.load(out)
-
-
-def assert_hf_export_matches(folder: Path, ours: str, theirs: str, family: str) -> None:
-    """`export --hf` of both runs loads with `from_pretrained`; the logits agree within 1e-5."""
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    logits = []
-    for name in (ours, theirs):
-        out = folder / f"{name}-hf"
-        result = train_in_fork(["export", str(folder / name), "--hf", str(out)], folder)
-        assert result.returncode == 0, result.stdout + result.stderr
-        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-        if family == "gpt2":
-            assert model.lm_head.weight is model.transformer.wte.weight
-        with torch.no_grad():
-            logits.append(model(input_ids=ids).logits)
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert_a_killed_run_resumes_bit_for_bit(llama, "llama-1F1B")
 
 
 # train validate: the cut, and one forward and backward of every stage, before any start.

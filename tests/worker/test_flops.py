@@ -232,6 +232,26 @@ def test_the_cpus_fused_attention_is_counted_by_torchs_formula(
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.smoke
+def test_grouped_query_attention_is_counted_as_its_heads_repeated() -> None:
+    """Fewer key-value heads than query heads (Llama's and Qwen's GQA, `enable_gqa`): counted
+    as attention over the query's heads, which the kernels broadcast the key-value heads to.
+    torch 2.9 and 2.11's formulas refuse such shapes, which stopped every such run at its
+    first step."""
+    from launcher.worker.flops import Speed
+
+    b, heads, kv_heads, length, d = 2, 4, 2, 8, 4
+    q = torch.randn(b, heads, length, d, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, length, d, requires_grad=True) for _ in range(2))
+    speed = Speed(torch.device("cpu"), "fp32", True, 1)
+    with speed.counting((q, k, v)):
+        attention = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+        attention.sum().backward()
+    assert speed.per_step == 14 * b * heads * length**2 * d
+
+
 @pytest.mark.parametrize(
     ("tflops", "line", "cell"),
     [

@@ -124,9 +124,10 @@ class LaunchPlan:
         start = self.spec.launch.worker_start
         if start != "auto":
             return start == "forkserver"
-        # GPUs too, once a GPU session has measured it (issue 58).
-        xla = self.spec.launch.strategy.startswith("xla")
-        if sys.platform != "linux" or self.accelerator != "cpu" or xla:
+        # GPUs too, once a GPU session has measured it (issue 58). The xla strategies start
+        # their replicas themselves (torch_xla's spawn, or one process driving every device).
+        per_device = strategy_info(self.spec.launch.strategy).processes == "per_device"
+        if sys.platform != "linux" or self.accelerator != "cpu" or not per_device:
             return False
         # A first start costs about what it does without the server (its imports, once,
         # against every worker's at once: bench/worker_start.py); every start after it is

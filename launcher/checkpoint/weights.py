@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from launcher.checkpoint.format import first_problems, read_metadata
+from launcher.checkpoint.hub_layout import HubLayout, hub_layout
 from launcher.checkpoint.weights_source import KEY, WeightsSource, find_weights, safetensors_shapes
 from launcher.checkpoint.whole_model import read_tensors, tied_names
 from launcher.config.load import LoadSection
 from launcher.errors import UsageError
 from launcher.parallel.base import Strategy
-from launcher.parallel.wrapper_names import WRAPPER_ATTRIBUTES, without_wrappers
+from launcher.parallel.wrapper_names import WRAPPER_ATTRIBUTES, bare_model, without_wrappers
 from launcher.safe_text import clean
 from launcher.storage_url import location
 
@@ -67,7 +68,8 @@ def load_weights(
     if source.kind == "checkpoint":
         _load_checkpoint(model, strategy, source.path, match.pairs, own)
     else:
-        strategy.load_whole_weights(model, lambda: _read_files(source, match.pairs))
+        layout = _hub_layout(source, model)
+        strategy.load_whole_weights(model, lambda: _read_files(source, match.pairs, layout))
     if strategy.is_main:
         print(_loaded_line(source, match), flush=True)
 
@@ -93,6 +95,9 @@ def _match_on_main(source: WeightsSource, model: nn.Module, own: dict[str, Any])
     """Rank 0's match, or what kept it from reading the source (said on every rank)."""
     try:
         theirs, skipped = _source_shapes(source)
+        layout = _hub_layout(source, model)
+        if layout is not None:
+            theirs = layout.shapes(theirs)
         ours = {name: tuple(t.shape) for name, t in own.items() if isinstance(t, torch.Tensor)}
         match = match_names(theirs, ours, tied_names(model, WRAPPER_ATTRIBUTES), _noun(source))
     except UsageError as exc:
@@ -204,19 +209,29 @@ def _load_checkpoint(
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
 
 
-def _read_files(source: WeightsSource, pairs: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The files' tensors that are loaded, named as the model names them."""
+def _read_files(
+    source: WeightsSource, pairs: dict[str, str], layout: HubLayout | None = None
+) -> dict[str, torch.Tensor]:
+    """The files' tensors that are loaded, named as the model names them; a Hugging Face
+    model's converted from the Hub's layout (`layout`) first, every tensor of the files."""
     if source.kind == "torch":
         state = _torch_load(source.files[0])
         return {pairs[name]: tensor for name, tensor in state.items() if name in pairs}
     from safetensors import safe_open
 
-    out = {}
+    read: dict[str, torch.Tensor] = {}
     for file in source.files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in set(f.keys()) & pairs.keys():
-                out[pairs[name]] = f.get_tensor(name)
-    return out
+            for name in f.keys() if layout is not None else set(f.keys()) & pairs.keys():
+                read[name] = f.get_tensor(name)
+    converted = layout.convert(read) if layout is not None else read
+    return {pairs[name]: tensor for name, tensor in converted.items() if name in pairs}
+
+
+def _hub_layout(source: WeightsSource, model: nn.Module) -> HubLayout | None:
+    """How a Hugging Face model's safetensors files (a `save_pretrained` folder, the Hub's)
+    name and shape its weights, where that differs from the model's own (`hub_layout`)."""
+    return hub_layout(bare_model(model)) if source.kind == "safetensors" else None
 
 
 def _noun(source: WeightsSource) -> str:

@@ -18,6 +18,7 @@ from tests.conftest import (
     run_train,
     usage_error,
 )
+from tests.forked_train import train_in_fork
 from tests.parallel.layouts import (
     assert_a_killed_run_resumes_bit_for_bit,
     assert_close,
@@ -116,6 +117,23 @@ def test_an_ep_checkpoint_resumes_as_ddp_and_exports_for_from_pretrained(qwen: P
     assert_close(resumed[0], uninterrupted[0][10:], rel=1e-5)
     assert_close(resumed[1], uninterrupted[1][10:], rel=1e-5)
     assert_hf_export_matches(qwen, "ep", "ddp", "qwen3_moe")
+
+
+def test_weights_in_the_hubs_layout_load_into_experts_spread_over_processes(qwen: Path) -> None:
+    """`save_pretrained` (`export --hf`) keeps a tensor per expert, as the Hub's files do;
+    `load.weights` merges them into the model's stacked experts, as `from_pretrained` does:
+    an ep run from that folder starts where a ddp run from the checkpoint itself starts."""
+    hub = qwen / "ddp-hub"
+    export = train_in_fork(["export", str(qwen / "ddp"), "--hf", str(hub)], qwen)
+    assert export.returncode == 0, export.stdout + export.stderr
+    first_losses = []
+    for name, weights in (("ep-from-hub", hub), ("ddp-from-checkpoint", qwen / "ddp")):
+        spec = qwen / ("ep.yaml" if name.startswith("ep") else "ddp.yaml")
+        steps = ["train.max_steps=2", "checkpoint.enabled=false", f"load.weights={weights}"]
+        output = train(qwen, spec, name, *steps).stdout
+        assert "load.weights: loaded 25 tensors (41,440 values)" in output
+        first_losses.append(curves(qwen / name)[0][0])
+    assert_close(first_losses[:1], first_losses[1:], rel=1e-5)
 
 
 def test_a_killed_ep_run_resumes_latest_bit_for_bit(qwen: Path) -> None:

@@ -117,7 +117,9 @@ class Reporter:
             mean = dict(zip(names, host[: len(names)], strict=True))
             self._report(mean, host[len(names)], step, epoch, rates, per_step)
             for watcher in self._watchers:
-                self.say_for_run(f"warning: {said}" if (said := watcher(mean, steps)) else "")
+                said = watcher(mean, steps)
+                if said:
+                    self.say_for_run(f"warning: {said}")
             receive_own(host[len(names) + 1 :])
 
         self.strategy.read(values, report)

@@ -71,6 +71,7 @@ DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/parallel/test_memory_estimate.py \
 	tests/worker/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
 	tests/replicas/test_fault_tolerance.py tests/replicas/test_fault_tolerance_exposure.py \
+	tests/replicas/test_semi_sync.py \
 	tests/launch/test_multinode.py \
 	tests/checkpoint/test_object_store.py tests/checkpoint/test_storage_faults.py \
 	tests/parallel/test_experts.py

@@ -433,6 +433,7 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "worker/test_expert_load.py": ("build_model", "a MoE routing every token to one expert"),
         "worker/test_flops.py": (both, "a build and a loss that count their calls"),
         "replicas/test_fault_tolerance.py": ("loss", "a loss that kills its replica group"),
+        "replicas/test_semi_sync.py": ("loss", "the GPT's loss, killing its replica group"),
         "worker/test_loader_workers.py": ("build_dataset loss", "varlen in loader workers"),
         "worker/test_nonfinite.py": (both, "a loss that turns NaN"),
         "worker/test_param_groups.py": ("build_model", "frozen, decayed and norm parameters"),

@@ -173,8 +173,9 @@ class Checkpointer:
             self.protected.add(step_of(path) or 0)
             self._newest = path
         state = self.model.state_dict()
-        if "ema" in state and not saved_with(path, "ema."):
-            del state["ema"]  # train.ema is new: the average starts from the loaded weights
+        for key in ("ema", "engine"):  # train.ema or DiLoCo is new: it starts from the weights
+            if key in state and not saved_with(path, f"{key}."):
+                del state[key]
         try:
             own = load(path, state, self.strategy)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException

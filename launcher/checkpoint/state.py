@@ -30,10 +30,22 @@ class WeightAverage(Protocol):
     def restart(self) -> None: ...
 
 
+class EngineState(Protocol):
+    """The replica engine's own state (`ReplicaEngine.extra_state`: DiLoCo's outer weights
+    and optimizer, `launcher.replicas.outer_state.OuterState`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def take_model(self) -> None:
+        """Starts from the model's weights as they are (a checkpoint that holds none)."""
+
+
 class ModelState:
-    """Model, optimizer and precision state, and the weights' average (`train.ema`) where
-    there is one, as torch.distributed.checkpoint saves them: each rank writes its own
-    shards."""
+    """Model, optimizer and precision state, the weights' average (`train.ema`) and the
+    replica engine's state where there are, as torch.distributed.checkpoint saves them: each
+    rank writes its own shards."""
 
     def __init__(
         self,
@@ -41,26 +53,34 @@ class ModelState:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         average: WeightAverage | None = None,
+        engine: EngineState | None = None,
     ) -> None:
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
-        self.average = average
+        self.average, self.engine = average, engine
 
     def state_dict(self) -> dict[str, Any]:
         state = self.strategy.state_dict(self.model, self.optimizer)
         if self.average is not None:
             state["ema"] = self.average.state_dict()
+        if self.engine is not None:
+            state["engine"] = self.engine.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """`state` without an `ema` entry, where the run has an average: the checkpoint has
-        none (`train.ema` was set on resume), so it starts from the loaded weights."""
+        """`state` without an `ema` (or `engine`) entry, where the run has one: the
+        checkpoint has none (`train.ema` or `fault_tolerance.sync` was set on resume), so it
+        starts from the loaded weights."""
         self.strategy.load_state_dict(self.model, self.optimizer, state)
-        if self.average is None:
-            return
-        if "ema" in state:
-            self.average.load_state_dict(state["ema"])
-        else:
-            self.average.restart()
+        if self.average is not None:
+            if "ema" in state:
+                self.average.load_state_dict(state["ema"])
+            else:
+                self.average.restart()
+        if self.engine is not None:
+            if "engine" in state:
+                self.engine.load_state_dict(state["engine"])
+            else:
+                self.engine.take_model()
 
 
 class StepCount(Protocol):

@@ -1,15 +1,24 @@
-"""The `fault_tolerance` section: per-step fault tolerance on torchft (`launcher.config.spec`
-re-exports it). It picks the run's replica engine (`launcher.replicas.registry`): the
-launcher's side is `launcher.replicas.torchft_coordinator`, the workers'
-`launcher.replicas.torchft_engine`; docs/fault-tolerance.md says when to use it."""
+"""The `fault_tolerance` section: replica groups on torchft (`launcher.config.spec` re-exports
+it), which agree every step or, with `sync`, every few steps (LocalSGD, DiLoCo). It picks the
+run's replica engine (`launcher.replicas.registry`): the launcher's side is
+`launcher.replicas.torchft_coordinator`, the workers' `launcher.replicas.torchft_engine` and
+`launcher.replicas.semi_sync`; docs/fault-tolerance.md says when to use which."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from launcher.config.optim import (
+    bad_values,
+    find_optimizer,
+    rejected_settings,
+    skip_torch_checks,
+    unknown_options,
+)
 from launcher.config.section import Section
 from launcher.errors import UsageError
 
@@ -18,6 +27,64 @@ from launcher.errors import UsageError
 FT_SECRET_VARIABLE = "LAUNCHER_FT_SECRET"
 
 _ADDRESS = re.compile(r"^(https?://)?[^\s:/]+:\d{1,5}$")
+
+
+SyncMethod = Literal["every_step", "local_sgd", "diloco"]
+
+# DiLoCo's outer optimizer as the paper has it (Douillard et al., 2023): Nesterov SGD.
+OUTER_OPTIM_DEFAULT: dict[str, Any] = {"name": "SGD", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+class SyncSection(Section):
+    method: SyncMethod = Field(
+        "every_step",
+        description="How often the replica groups agree: `every_step` (their gradients "
+        "averaged before every optimizer step: the groups move as one), `local_sgd` (each "
+        "group takes `every` steps on its own, then the groups' weights are averaged) or "
+        "`diloco` (each group takes `every` steps on its own, then the change each made since "
+        "the last sync is averaged and applied by `outer_optim`). The last two send about "
+        "`every` times fewer bytes between groups: for groups joined by slow links.",
+    )
+    every: int = Field(
+        50,
+        ge=1,
+        description="`local_sgd` and `diloco`: the steps each group takes between syncs "
+        "(DiLoCo's H). A checkpoint saved at a sync holds one model for every group: make "
+        "`checkpoint.every_n_steps` a multiple of it.",
+    )
+    outer_optim: dict[str, Any] = Field(
+        default_factory=lambda: dict(OUTER_OPTIM_DEFAULT),
+        description="`diloco`: the optimizer applying the groups' averaged change at each "
+        "sync: `name` (a `torch.optim` class, as `optim.name`), `lr`, and its other arguments, "
+        "e.g. `{name: SGD, lr: 0.7, momentum: 0.9, nesterov: true}` (the default, the "
+        "paper's). `{name: SGD, lr: 1.0}` is `local_sgd`.",
+    )
+
+    @field_validator("outer_optim")
+    @classmethod
+    def _outer_optimizer(cls, given: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        options = {**given}
+        name, lr = options.pop("name", "SGD"), options.pop("lr", OUTER_OPTIM_DEFAULT["lr"])
+        if not isinstance(name, str):
+            raise ValueError(f"outer_optim.name: expected an optimizer's name, got {name!r}")
+        if not isinstance(lr, int | float) or isinstance(lr, bool):
+            raise ValueError(f"outer_optim.lr: expected a number, got {lr!r}")
+        problem = bad_values({"lr": lr, **options})
+        if problem is None and not skip_torch_checks(info):
+            found = find_optimizer(name)
+            problem = (
+                found
+                if isinstance(found, str)
+                else unknown_options(name, options) or rejected_settings(name, lr, options)
+            )
+        if problem:
+            raise ValueError(f"outer_optim: {problem}")
+        return {"name": name, "lr": lr, **options}
+
+    @property
+    def semi_synchronous(self) -> bool:
+        """Whether the groups train apart between syncs."""
+        return self.method != "every_step"
 
 
 class FaultToleranceSection(Section):
@@ -70,6 +137,21 @@ class FaultToleranceSection(Section):
         description="How long a collective between groups, or a quorum, may take before it "
         "counts as failed: a group that hangs without dying is dropped after this.",
     )
+
+    sync: SyncSection = Field(
+        default_factory=SyncSection,
+        description="How often the groups agree: every step, or every few steps "
+        '(docs/fault-tolerance.md, "Groups joined by slow links").',
+    )
+
+    @model_validator(mode="after")
+    def _sync_needs_groups(self) -> FaultToleranceSection:
+        if self.sync.semi_synchronous and not self.enabled:
+            raise ValueError(
+                f"sync.method: {self.sync.method} syncs replica groups, and there are none; "
+                "set fault_tolerance.enabled: true (or remove fault_tolerance.sync)"
+            )
+        return self
 
     @field_validator("lighthouse")
     @classmethod

@@ -32,7 +32,7 @@ TORCH_FREE = {"torch_free": True}
 WSD_DECAY_FRACTION = 0.2
 
 
-def _skip_torch_checks(info: ValidationInfo) -> bool:
+def skip_torch_checks(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("torch_free"))
 
 
@@ -48,7 +48,7 @@ def _optimizer_names() -> list[str]:
     )
 
 
-def _find_optimizer(name: str) -> type[torch.optim.Optimizer] | str:
+def find_optimizer(name: str) -> type[torch.optim.Optimizer] | str:
     """The class `name` names (a `torch.optim` name, or a dotted path such as
     `torchao.optim.AdamW8bit`), or why there is none."""
     import torch
@@ -87,7 +87,7 @@ def _find_optimizer(name: str) -> type[torch.optim.Optimizer] | str:
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    cls = _find_optimizer(name)
+    cls = find_optimizer(name)
     assert not isinstance(cls, str), cls  # the spec validated it
     return cls
 
@@ -158,8 +158,8 @@ class OptimSection(Section):
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, name: str, info: ValidationInfo) -> str:
-        if not _skip_torch_checks(info):
-            found = _find_optimizer(name)
+        if not skip_torch_checks(info):
+            found = find_optimizer(name)
             if isinstance(found, str):
                 raise ValueError(found)
         return name
@@ -168,7 +168,7 @@ class OptimSection(Section):
     @classmethod
     def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         _check_values(kwargs, "")
-        if kwargs and not _skip_torch_checks(info):
+        if kwargs and not skip_torch_checks(info):
             _check_options(info.data.get("name", ""), kwargs, "", allow_lr=False)
             _check_accepted(info.data.get("name", ""), info.data.get("lr", 1e-3), kwargs, "")
         return kwargs
@@ -181,7 +181,7 @@ class OptimSection(Section):
             _check_selectors(group, where)
             options = {k: v for k, v in group.items() if k not in GROUP_SELECTORS}
             _check_values(options, where)
-            if not _skip_torch_checks(info):
+            if not skip_torch_checks(info):
                 name = info.data.get("name", "")
                 _check_options(name, options, where, allow_lr=True)
                 if "kwargs" in info.data:  # kwargs the optimizer refuses are refused on their own
@@ -296,7 +296,7 @@ def rejected_settings(name: str, lr: float, settings: dict[str, Any]) -> str | N
     or None. What only a device can tell (`fused`) is left to the run."""
     import torch
 
-    optimizer = _find_optimizer(name)
+    optimizer = find_optimizer(name)
     if isinstance(optimizer, str):
         return None
     kept = {k: v for k, v in settings.items() if k not in _DEVICE_CHOICES}
@@ -328,7 +328,7 @@ def _check_options(name: str, options: dict[str, Any], where: str, allow_lr: boo
 def unknown_options(name: str, options: dict[str, Any], allow_lr: bool = True) -> str | None:
     """What is wrong with `options` for the optimizer `name` (keys it does not take), or None;
     also None for a name that names no optimizer (its own error says so)."""
-    optimizer = _find_optimizer(name)
+    optimizer = find_optimizer(name)
     if isinstance(optimizer, str):
         return None
     accepted = [p for p in accepted_options(optimizer) if allow_lr or p != "lr"]

@@ -62,6 +62,9 @@ def _wrap(text: str, indent: str) -> str:
 
 
 def _default(field: Any) -> str:
+    if field.default_factory is not None:  # a section, or a default list or mapping
+        made = field.default_factory()
+        return "a section" if isinstance(made, BaseModel) else f"default `{json.dumps(made)}`"
     if field.default is PydanticUndefined:
         return "required"
     return f"default `{json.dumps(field.default)}`"

@@ -2,17 +2,20 @@
 (`Strategy.engine`), built by `launcher.parallel.build` from the registry's entry
 (`launcher.replicas.registry`). A run without replica groups is one group: `NoReplicas`.
 
-The loop meets it at three points of a step, and never asks which engine it is:
+The loop meets it at four points of a step, and never asks which engine it is:
 
 1. `begin_step(step)`, before the step's first micro-batch: True where this process's state
    was replaced meanwhile (healed from a peer group), so the loop takes its data from there;
 2. `average_gradients(model)`, right before the strategy finishes the gradients (the group's
    own reduction done): the average across the groups;
 3. `commit_step()`, once the gradients are final: whether the step counts (False: a peer
-   group was lost inside it, and the loop takes the step again).
+   group was lost inside it, and the loop takes the step again);
+4. `end_step(step, last)`, once the update is applied, before the step's checkpoint: where
+   an engine that syncs the groups every few steps (LocalSGD, DiLoCo) syncs them; True, as
+   from `begin_step`, where this process's state was replaced.
 
-An engine that syncs the groups every H steps instead (LocalSGD, DiLoCo) averages nothing in
-`average_gradients` and syncs in `commit_step`; the loop stays as it is.
+State of its own that checkpoints keep (DiLoCo's outer weights and optimizer) it hands the
+loop once, from `extra_state(model)`; the loop saves and heals it with the model's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from launcher.checkpoint.state import LoopState, ModelState
+from launcher.checkpoint.state import EngineState, LoopState, ModelState
 from launcher.rundir.worker_plan import ReplicaGroup
 
 if TYPE_CHECKING:
@@ -107,6 +110,16 @@ class ReplicaEngine(ABC):
     @abstractmethod
     def commit_step(self) -> bool:
         """Once the step's gradients are final, on every process: whether the step counts."""
+
+    def end_step(self, step: int, last: bool) -> bool:
+        """After step `step`'s update (`last`: the run's last step), before its checkpoint.
+        True where this process's state was replaced meanwhile (healed from a peer group)."""
+        return False
+
+    def extra_state(self, model: nn.Module) -> EngineState | None:
+        """State of the engine's own that a checkpoint keeps beside the model's, and a healing
+        group receives with it (made once, from the built model); None: none."""
+        return None
 
     @abstractmethod
     def summary(self) -> dict[str, Any]:

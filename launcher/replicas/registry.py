@@ -37,12 +37,20 @@ ENGINES = {
         "TorchftEngine",
         coordinator="launcher.replicas.torchft_coordinator",
     ),
+    # LocalSGD and DiLoCo: the same groups and coordinator, synced every few steps.
+    "torchft_semi_sync": EngineInfo(
+        "launcher.replicas.semi_sync",
+        "SemiSyncEngine",
+        coordinator="launcher.replicas.torchft_coordinator",
+    ),
 }
 
 
 def engine_name(options: FaultToleranceSection) -> str:
     """The engine the spec's `fault_tolerance` section asks for."""
-    return "torchft" if options.enabled else "none"
+    if not options.enabled:
+        return "none"
+    return "torchft_semi_sync" if options.sync.semi_synchronous else "torchft"
 
 
 def engine_info(options: FaultToleranceSection) -> EngineInfo:

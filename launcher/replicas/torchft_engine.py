@@ -60,6 +60,8 @@ class TorchftEngine(ReplicaEngine):
         self._groups = group.count  # in the last quorum
         self._quorum: object = None  # the last quorum's id
         self._shared: tuple[ModelState, LoopState, Callable[[], bool]] | None = None
+        self.bytes_sent = 0  # to the other groups, by this process: the summary's figure
+        self.steps_taken = 0  # by this process, in this attempt
 
     @property
     def manager(self) -> Manager:
@@ -171,18 +173,26 @@ class TorchftEngine(ReplicaEngine):
 
     def average_gradients(self, model: nn.Module) -> None:
         """Each process's gradients (its shards) averaged with the same rank's in the other
-        groups: one all-reduce per dtype. A failed one leaves the step to `commit_step`."""
-        grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+        groups. A failed all-reduce leaves the step to `commit_step`."""
+        self.average_across_groups(
+            [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+        )
+
+    def average_across_groups(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` (plain, local) averaged in place with the same rank's in the other groups
+        of the quorum, one all-reduce per dtype; what this process sent is counted in
+        `bytes_sent`. A healing group's are counted as zeros (torchft's rule)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
+            flat = torch.cat([t.reshape(-1) for t in same])
             self.manager.allreduce(flat).wait()
+            self.bytes_sent += flat.numel() * flat.element_size()
             offset = 0
-            for grad in same:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            for tensor in same:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
 
     def mean_across_groups(self, values: torch.Tensor) -> torch.Tensor:
         # A group lost meanwhile leaves the groups' own mean (the step then is void).
@@ -194,25 +204,31 @@ class TorchftEngine(ReplicaEngine):
         manager = self.manager
         error = manager.errored()
         committed = bool(manager.should_commit())
+        self.steps_taken += committed
         if not committed:
-            why = _first_words(str(error.original_exception)) if error else "a peer's vote"
+            why = first_words(str(error.original_exception)) if error else "a peer's vote"
             self._say(f"step {manager.current_step() + 1} is void ({why}); taking it again")
         return committed
 
     def stop(self) -> None:
         if self._shared is not None:  # what the groups should agree on
             model, loop, _ = self._shared
-            step, digest = loop.progress.step, _digest(model.model)
+            step, weights = loop.progress.step, digest(model.model)
             self._record(
-                "finished", every_rank=True, rank=self.strategy.rank, step=step, digest=digest
+                "finished", every_rank=True, rank=self.strategy.rank, step=step, digest=weights
             )
         if self._manager is not None:
             self._manager.shutdown(wait=False)
 
     def summary(self) -> dict[str, Any]:
         events = fault_events.read(Path(self.group.events))
+        sent = {"bytes": self.bytes_sent, "per_step": self.bytes_sent // max(self.steps_taken, 1)}
         return {
-            "fault_tolerance": {"replica_group": self.group.index, **fault_events.summary(events)}
+            "fault_tolerance": {
+                "replica_group": self.group.index,
+                **fault_events.summary(events),
+                "sent_to_other_groups": sent,  # by rank 0 of the group that writes it
+            }
         }
 
     # -- what this process says and records ------------------------------------------------
@@ -249,7 +265,7 @@ class TorchftEngine(ReplicaEngine):
         self._healed = True
 
 
-def _first_words(message: str, limit: int = 160) -> str:
+def first_words(message: str, limit: int = 160) -> str:
     """A collective's error in one line that reads: its first line, cut at a word."""
     line = (message.strip().splitlines() or ["no message"])[0]
     if len(line) <= limit:
@@ -257,12 +273,12 @@ def _first_words(message: str, limit: int = 160) -> str:
     return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
-def _digest(model: nn.Module) -> str:
+def digest(model: nn.Module) -> str:
     """A hash of this process's parameters (its shards): alike in every group, rank by rank."""
-    digest = hashlib.sha256()
+    hashed = hashlib.sha256()
     for param in model.parameters():
-        digest.update(local_shard(param.detach()).cpu().contiguous().view(torch.uint8).numpy())
-    return digest.hexdigest()[:16]
+        hashed.update(local_shard(param.detach()).cpu().contiguous().view(torch.uint8).numpy())
+    return hashed.hexdigest()[:16]
 
 
 def _mesh_of(model: nn.Module) -> Any:

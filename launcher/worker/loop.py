@@ -96,7 +96,14 @@ class Trainer:
         self.profiler = StepProfiler(
             spec.train.profile, self.layout, strategy.engine.log_rank, strategy.device
         )
-        model_state = ModelState(strategy, self.model, self.optimizer, self.average)
+        model_state = self._build_checkpointer(run_dir)
+        strategy.engine.share_state(model_state, self.state, self._reload)
+
+    def _build_checkpointer(self, run_dir: Path) -> ModelState:
+        """The checkpointer, of every state a checkpoint holds; returns the model's part."""
+        strategy, spec = self.strategy, self.spec
+        engine_state = strategy.engine.extra_state(self.model)  # DiLoCo's outer weights
+        model_state = ModelState(strategy, self.model, self.optimizer, self.average, engine_state)
         self.checkpointer = checkpoint.Checkpointer(
             strategy,
             run_dir,
@@ -106,7 +113,7 @@ class Trainer:
             use_async=spec.checkpoint.async_,
             store=self.store,
         )
-        strategy.engine.share_state(model_state, self.state, self._reload)
+        return model_state
 
     def _build_model(self) -> torch.nn.Module:
         """The recipe's model, initialised (or loaded: `load.weights`), placed and wrapped."""
@@ -245,6 +252,9 @@ class Trainer:
                 self.profiler.before_step(progress.step + 1)
                 moved = not self._step(batches)  # a void step: taken again, on its data
                 self.profiler.after_step(progress.step)
+                last = progress.step == self.total_steps
+                # A semi-synchronous engine syncs the groups here (healed: data from there).
+                moved = moved or self.strategy.engine.end_step(progress.step, last)
                 if moved:
                     break
                 self.telemetry.step_done(time.perf_counter() - started)

@@ -399,16 +399,16 @@ def test_a_group_lost_before_the_first_quorum_is_summed_up_apart_from_its_next_l
 
 
 def test_a_void_steps_reason_is_cut_at_a_word() -> None:
-    from launcher.replicas.torchft_engine import _first_words
+    from launcher.replicas.torchft_engine import first_words
 
     gloo = (
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error "
         "[127.0.0.1]:41118: Connection reset by peer while waiting for the other side to finish "
         "its collective operation\nsecond line"
     )
-    said = _first_words(gloo)
+    said = first_words(gloo)
     assert said.endswith("to finish ...") and len(said) <= 164
-    assert _first_words("timed out\ndetails") == "timed out"
+    assert first_words("timed out\ndetails") == "timed out"
 
 
 def test_each_process_writes_its_own_events_and_the_reader_merges_them(tmp_path: Path) -> None:

@@ -1,0 +1,181 @@
+"""Semi-synchronous replica groups on torchft (`fault_tolerance.sync.method: local_sgd` or
+`diloco`): each group trains `every` steps on its own, as a run of its strategy (ddp, or fsdp
+sharded inside the group), then the groups sync, through the same Manager, Lighthouse and
+state server as per-step fault tolerance (`launcher.replicas.torchft_engine`):
+
+- `local_sgd` averages the groups' weights;
+- `diloco` averages what each group's weights moved since the last sync (DiLoCo's pseudo-
+  gradient) and applies it to the weights of the last sync with the outer optimizer
+  (`launcher.replicas.outer_state`).
+
+Each process exchanges only its own part (its shards under fsdp) with the same rank of the
+other groups. Between syncs nothing crosses groups: a run's metrics are group 0's.
+
+A sync is a torchft step: the quorum, the all-reduce, the vote. It comes after the update of
+every `every`-th step and of the last one (`end_step`), before that step's checkpoint, so a
+checkpoint saved at a sync holds the one model of every group. A sync that fails (a group
+lost inside it) is taken again with the groups left. A restarted group joins the next sync
+(`begin_step`): it copies a live group's state there (model, inner and outer optimizer,
+data position), takes part in the sync with nothing of its own, and trains on from it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from launcher.config.spec import RunSpec
+from launcher.parallel.base import Strategy, local_shard
+from launcher.parallel.rng import rank_seed
+from launcher.replicas.outer_state import OuterState
+from launcher.replicas.torchft_engine import TorchftEngine, digest, first_words
+from launcher.rundir.worker_plan import ReplicaGroup
+
+# A sync that fails is taken again with the groups left, at most this many times in a row.
+SYNC_ATTEMPTS = 5
+
+
+class SemiSyncEngine(TorchftEngine):
+    def __init__(
+        self, strategy: Strategy, group: ReplicaGroup | None, spec: RunSpec, attempt: int
+    ) -> None:
+        super().__init__(strategy, group, spec, attempt)
+        self.sync = spec.fault_tolerance.sync
+        self.outer: OuterState | None = None  # diloco's, made with the model (`extra_state`)
+        self.trained_since_sync = 0  # steps this group took since its last sync
+        self.syncs = 0
+
+    def extra_state(self, model: torch.nn.Module) -> OuterState | None:
+        """diloco's outer state; local_sgd has none."""
+        if self.sync.method == "diloco":
+            self.outer = OuterState(model, self.sync.outer_optim)
+        return self.outer
+
+    # -- the step --------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> bool:
+        if not self._joined:
+            self._joined = True
+            if self._join(step):
+                return True  # the loop starts again at the healed position
+        # Random streams from (seed, data-parallel rank, step): a healed group draws its own.
+        self.strategy.rng.seed(rank_seed(self.seed_base, self.strategy.dp_rank, step + 1))
+        return False
+
+    def average_gradients(self, model: torch.nn.Module) -> None:
+        pass  # the group's own gradients: the groups meet at syncs only
+
+    def mean_across_groups(self, values: torch.Tensor) -> torch.Tensor:
+        return values  # no exchange between syncs: the group's own figures
+
+    def commit_step(self) -> bool:
+        self.trained_since_sync += 1
+        self.steps_taken += 1
+        return True
+
+    def end_step(self, step: int, last: bool) -> bool:
+        if step % self.sync.every and not last:
+            return False
+        return self._sync(step)
+
+    # -- the sync --------------------------------------------------------------------------
+
+    def _join(self, step: int) -> bool:
+        """The first quorum of this process: with every group at a run's start (or a resume
+        from disk); a restarted group's, with the others at their next sync."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        started = time.perf_counter()
+        self._start_quorum()
+        if not self.restarted:
+            self._wait_for_every_group()
+        if self._healed:  # the others are inside a sync: take part, with nothing of its own
+            self._healed = False
+            healed = {"step": self.manager.current_step(), "heal_s": time.perf_counter() - started}
+            self._record("healed", **healed)
+            if not self._exchange():
+                self._say("the sync this group joined failed; it joins the next one")
+            return True
+        self._note_quorum(self.manager.num_participants())
+        if self.restarted:  # no group ahead of it: every group was lost at once
+            return self._reload_without_peers()
+        return False
+
+    def _sync(self, step: int) -> bool:
+        """The groups' sync after step `step`; True where this group's state was replaced by
+        a live group's meanwhile (it was behind)."""
+        for attempt in range(SYNC_ATTEMPTS):
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+            started, sent = time.perf_counter(), self.bytes_sent
+            self._start_quorum()
+            healed, self._healed = self._healed, False
+            self._note_quorum(self.manager.num_participants())
+            if self._exchange():
+                took = time.perf_counter() - started
+                self._announce(step, self.bytes_sent - sent, took, attempt)
+                return healed
+            why = self._void_reason()
+            self._say(f"the sync after step {step} is void ({why}); taking it again")
+        raise RuntimeError(
+            f"fault_tolerance.sync: the sync after step {step} failed {SYNC_ATTEMPTS} times"
+        )
+
+    def _exchange(self) -> bool:
+        """The all-reduce and the vote; on a committed vote, the model holds the synced
+        weights (which a healing group receives as zeros: torchft counts it out)."""
+        params = self._trained_params()
+        if self.outer is None:  # local_sgd: the weights' average
+            averaged = [local_shard(p).detach().clone() for p in params]
+        else:
+            averaged = self.outer.pseudo_gradients()
+        self.average_across_groups(averaged)
+        if not self.manager.should_commit():
+            return False
+        if self.outer is None:
+            with torch.no_grad():
+                torch._foreach_copy_([local_shard(p) for p in params], averaged)
+        else:
+            self.outer.step(averaged)
+        self.trained_since_sync = 0
+        self.syncs += 1
+        return True
+
+    def _trained_params(self) -> list[torch.Tensor]:
+        model, _, _ = self._state_shared()
+        return [p for p in model.model.parameters() if p.requires_grad]
+
+    def _void_reason(self) -> str:
+        error = self.manager.errored()
+        return first_words(str(error.original_exception)) if error else "a peer's vote"
+
+    def _announce(self, step: int, sent: int, took: float, attempt: int) -> None:
+        groups = self.manager.num_participants()
+        model, _, _ = self._state_shared()
+        self._record(
+            "sync", every_rank=True, rank=self.strategy.rank, step=step, groups=groups,
+            bytes=sent, sync_s=took, attempt=attempt, digest=digest(model.model),
+        )  # fmt: skip
+        if self.saves_checkpoints:  # said once, by the group leading the quorum
+            self._say(
+                f"sync after step {step}: {groups} of {self.group.count} replica groups, "
+                f"{_size(sent)} sent, {took:.2f} s"
+            )
+
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary()
+        summary["fault_tolerance"]["sync"] = {
+            "method": self.sync.method,
+            "every": self.sync.every,
+            "syncs": self.syncs,
+        }
+        return summary
+
+
+def _size(count: int) -> str:
+    """Bytes as a person reads them: 812 B, 3.2 MiB."""
+    if count < 1024:
+        return f"{count} B"
+    exponent = min(int(math.log(count, 1024)), 3)
+    return f"{count / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"

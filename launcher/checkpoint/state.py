@@ -97,6 +97,10 @@ class LoopState(Protocol):
     @property
     def progress(self) -> StepCount: ...
 
+    def recent_loss(self) -> torch.Tensor | None:
+        """The mean loss of this process's steps since the last log line, on the device
+        (None: no step since)."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def rank_state_dict(self) -> dict[str, Any]: ...

@@ -116,6 +116,11 @@ class ReplicaEngine(ABC):
         True where this process's state was replaced meanwhile (healed from a peer group)."""
         return False
 
+    def metrics(self) -> dict[str, float]:
+        """Figures of the engine's own for the next metrics record (its bytes between
+        groups, a sync's losses); asked once per record, from the process that writes it."""
+        return {}
+
     def extra_state(self, model: nn.Module) -> EngineState | None:
         """State of the engine's own that a checkpoint keeps beside the model's, and a healing
         group receives with it (made once, from the built model); None: none."""

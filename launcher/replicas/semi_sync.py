@@ -47,6 +47,8 @@ class SemiSyncEngine(TorchftEngine):
         self.outer: OuterState | None = None  # diloco's, made with the model (`extra_state`)
         self.trained_since_sync = 0  # steps this group took since its last sync
         self.syncs = 0
+        self._sync_losses: dict[str, float] = {}  # for the next metrics record
+        self._exchange_bytes = 0  # of the weights' exchange at a sync
 
     def extra_state(self, model: torch.nn.Module) -> OuterState | None:
         """diloco's outer state; local_sgd has none."""
@@ -130,9 +132,13 @@ class SemiSyncEngine(TorchftEngine):
             averaged = [local_shard(p).detach().clone() for p in params]
         else:
             averaged = self.outer.pseudo_gradients()
+        sent = self.bytes_sent
         self.average_across_groups(averaged)
+        self._exchange_bytes = self.bytes_sent - sent
+        losses = self._losses_of_groups()
         if not self.manager.should_commit():
             return False
+        self._sync_losses = losses
         if self.outer is None:
             with torch.no_grad():
                 torch._foreach_copy_([local_shard(p) for p in params], averaged)
@@ -141,6 +147,29 @@ class SemiSyncEngine(TorchftEngine):
         self.trained_since_sync = 0
         self.syncs += 1
         return True
+
+    def _losses_of_groups(self) -> dict[str, float]:
+        """Each group's mean loss over its steps since the last log line (`sync/loss/groupN`),
+        and the mean of them (`sync/loss`): one small all-reduce, its slots by group. A healing
+        group sends zeros, and has no slot."""
+        _, loop, _ = self._state_shared()
+        count, own = self.group.count, loop.recent_loss()
+        slots = torch.zeros(2 * count, dtype=torch.float64, device=self.strategy.device)
+        if own is not None:
+            slots[self.group.index] = own.double()
+            slots[count + self.group.index] = 1.0  # this group's slot is set
+        self.average_across_groups([slots])  # the mean over the groups present
+        slots = (slots * self.manager.num_participants()).tolist()
+        losses = {f"sync/loss/group{g}": slots[g] for g in range(count) if slots[count + g] > 0.5}
+        if losses:
+            losses["sync/loss"] = sum(losses.values()) / len(losses)
+        return losses
+
+    def metrics(self) -> dict[str, float]:
+        """The bytes per step, and the groups' losses at the sync since the last record."""
+        figures = {**super().metrics(), **self._sync_losses}
+        self._sync_losses = {}
+        return figures
 
     def _trained_params(self) -> list[torch.Tensor]:
         model, _, _ = self._state_shared()
@@ -165,10 +194,13 @@ class SemiSyncEngine(TorchftEngine):
 
     def summary(self) -> dict[str, Any]:
         summary = super().summary()
+        # Per-step syncing sends one exchange's bytes (the gradients, as large) every step.
+        every_step = self._exchange_bytes * self.steps_taken
         summary["fault_tolerance"]["sync"] = {
             "method": self.sync.method,
             "every": self.sync.every,
             "syncs": self.syncs,
+            "bytes_saved": round(1 - self.bytes_sent / every_step, 4) if every_step else None,
         }
         return summary
 

@@ -62,6 +62,7 @@ class TorchftEngine(ReplicaEngine):
         self._shared: tuple[ModelState, LoopState, Callable[[], bool]] | None = None
         self.bytes_sent = 0  # to the other groups, by this process: the summary's figure
         self.steps_taken = 0  # by this process, in this attempt
+        self._recorded = (0, 0)  # bytes sent and steps taken at the last metrics record
 
     @property
     def manager(self) -> Manager:
@@ -219,6 +220,12 @@ class TorchftEngine(ReplicaEngine):
             )
         if self._manager is not None:
             self._manager.shutdown(wait=False)
+
+    def metrics(self) -> dict[str, float]:
+        """The bytes this process sent to the other groups per step, since the last record."""
+        sent, steps = self.bytes_sent - self._recorded[0], self.steps_taken - self._recorded[1]
+        self._recorded = (self.bytes_sent, self.steps_taken)
+        return {"groups/bytes_per_step": sent / steps} if steps else {}
 
     def summary(self) -> dict[str, Any]:
         events = fault_events.read(Path(self.group.events))

@@ -28,7 +28,7 @@ from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.lock import is_held
 from launcher.rundir.outcome import RunOutcome, read_outcome
-from launcher.rundir.reading import parse_json_or_none, read_tail
+from launcher.rundir.reading import parse_json_or_none, read_json_or_none, read_tail
 from launcher.runs.metrics_file import value
 from launcher.runs.store_listing import StoreAnswer, ask_stores
 
@@ -67,6 +67,9 @@ class RunRow:
     duration_s: float | None
     # fault_tolerance's: replica groups lost (and restarted) so far; None without it
     groups_lost: int | None = None
+    # fault_tolerance.sync of a finished semi-synchronous run (summary.json): its method,
+    # `every`, syncs, and the bytes between groups it saved against per-step syncing
+    sync: dict[str, Any] | None = None
 
 
 def is_run(path: Path) -> bool:
@@ -173,6 +176,7 @@ def _describe(run_dir: Path, now: float | None, stores: dict[Path, StoreAnswer] 
         ended=ended,
         duration_s=round(end - started, 3) if end is not None and started is not None else None,
         groups_lost=_groups_lost(layout),
+        sync=_sync(layout),
     )
 
 
@@ -181,6 +185,13 @@ def _groups_lost(layout: RunLayout) -> int | None:
     if not fault_events.kept(layout.fault_events):
         return None
     return sum(e["event"] == "lost" for e in fault_events.read(layout.fault_events))
+
+
+def _sync(layout: RunLayout) -> dict[str, Any] | None:
+    """summary.json's `fault_tolerance.sync` (a finished LocalSGD or DiLoCo run); else None."""
+    summary = read_json_or_none(layout.summary, "record")
+    found = summary.get("fault_tolerance", {}).get("sync") if isinstance(summary, dict) else None
+    return found if isinstance(found, dict) else None
 
 
 def _newest_checkpoint(

@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -45,6 +46,8 @@ def runs_table(rows: list[RunRow]) -> Table:
     }
     if any(row.groups_lost is not None for row in rows):  # fault_tolerance: groups lost
         columns["faults"] = [_number(row.groups_lost) for row in rows]
+    if any(row.sync for row in rows):  # fault_tolerance.sync: LocalSGD, DiLoCo
+        columns["sync"] = [_sync(row.sync) for row in rows]
     # One line a run, whatever the width: a narrow terminal cuts the names, folders, times and
     # evaluations short (…), and keeps the status and the numbers whole.
     table = Table(box=None, header_style="bold", pad_edge=False)
@@ -130,3 +133,12 @@ def duration(seconds: float | None) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _sync(sync: dict[str, Any] | None) -> str:
+    """`diloco/50, 98% fewer bytes`: the method, its `every`, and what it saved."""
+    if not sync:
+        return "-"
+    saved = sync.get("bytes_saved")
+    said = f", {saved:.0%} fewer bytes" if isinstance(saved, int | float) else ""
+    return f"{sync.get('method')}/{sync.get('every')}{said}"

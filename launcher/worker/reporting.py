@@ -137,7 +137,10 @@ class Reporter:
             **speed,
         )  # fmt: skip
         rate *= self.strategy.replicas
-        self.telemetry.metrics(step=step, epoch=epoch, **rates, samples_per_s=rate, **mean, **speed)
+        engine = self.strategy.engine.metrics()  # across replica groups: bytes, syncs
+        self.telemetry.metrics(
+            step=step, epoch=epoch, **rates, samples_per_s=rate, **mean, **speed, **engine
+        )
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self.say_for_run(
             f"step {step}/{total} | loss {mean['loss']:.4f}{extras} | lr {rates['lr']:.2e} | "

@@ -5,7 +5,7 @@ stopping, and each rank's random streams, metrics window, recipe state and data 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy
@@ -14,6 +14,9 @@ from launcher.worker.metrics_window import MetricsWindow
 from launcher.worker.monitors import BestCheckpoints, EarlyStopping
 from launcher.worker.nonfinite import NonFiniteWatch
 from launcher.worker.recipe import Recipe
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -67,6 +70,10 @@ class TrainState:
             "early_stop": self.early.state_dict() if self.early else None,
             "nonfinite": self.nonfinite.state_dict(),
         }
+
+    def recent_loss(self) -> torch.Tensor | None:
+        window = self.window
+        return window.sums["loss"] / window.count if window.count is not None else None
 
     def rank_state_dict(self) -> dict[str, Any]:
         return {

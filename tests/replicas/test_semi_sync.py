@@ -81,6 +81,10 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return fault_events.read(RunLayout(run_dir).fault_events)
 
 
+def _summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())["fault_tolerance"]
+
+
 @functools.cache
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The run's last checkpoint's weights, exported once (`train export`)."""
@@ -132,13 +136,20 @@ def test_diloco_groups_agree_after_each_sync_and_send_a_tenth_of_the_bytes(
     assert sorted(by_step) == [10, 20, 30, 40], syncs
     assert all(len(digests) == 1 for digests in by_step.values()), by_step  # one model
     assert len({d for ds in by_step.values() for d in ds}) == 4  # which moves between syncs
-    sent = [
-        json.loads((r / "summary.json").read_text())["fault_tolerance"]["sent_to_other_groups"]
-        for r in (run_dir, runs["every_step"])
-    ]
+    sent = [_summary(r)["sent_to_other_groups"] for r in (run_dir, runs["every_step"])]
     assert 0.09 < sent[0]["per_step"] / sent[1]["per_step"] < 0.11, sent
-    summary = json.loads((run_dir / "summary.json").read_text())["fault_tolerance"]
-    assert summary["sync"] == {"method": "diloco", "every": 10, "syncs": 4}
+    said = _summary(run_dir)["sync"]
+    assert {k: said[k] for k in ("method", "every", "syncs")} == {
+        "method": "diloco", "every": 10, "syncs": 4,
+    }  # fmt: skip
+    assert 0.89 < said["bytes_saved"] < 0.91, said
+    # The metrics: every record's bytes per step; a sync's record, each group's loss.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    synced = [r["step"] for r in records if "sync/loss/group0" in r and "sync/loss/group1" in r]
+    assert synced == [10, 20, 30, 40], records
+    assert all("groups/bytes_per_step" in r for r in records if "loss" in r), records
+    listed = run_train(["runs", "--output-dir", str(tmp_path / "runs"), "--json"], tmp_path)
+    assert json.loads(listed.stdout)[0]["sync"]["method"] == "diloco", listed.stdout
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "sync after step 10: 2 of 2 replica groups" in log
 
@@ -159,20 +170,30 @@ def test_a_group_killed_mid_round_heals_from_the_survivor_and_the_groups_end_ali
     assert "copying the state of a live replica group" in healed
 
 
-def test_a_run_stopped_at_a_sync_resumes_to_the_end_of_one_that_never_stopped(
+def test_fsdp_groups_resume_from_a_sync_bit_for_bit_and_train_as_ddp_groups(
     tmp_path: Path,
 ) -> None:
+    """2 groups of 2 processes: fsdp inside each group (the outer state sharded, in memory
+    and in checkpoints) trains as ddp inside each does, each process sending half the
+    bytes; stopped at a sync (step 40) and resumed to 80, it ends bit for bit where the run
+    that never stopped does."""
     sync = {"method": "diloco", "every": 10}
-    ends = []
+    four = {"launch": {"strategy": "fsdp", "devices": 4, "max_restarts": 0}}
+    runs, ends = {}, []
     for name, legs in (("whole", [["train.max_steps=80"]]),
                        ("resumed", [["train.max_steps=40"],
                                     ["--resume", "latest", "train.max_steps=80"]])):  # fmt: skip
-        spec = _spec(tmp_path / name, "diloco", sync, steps=80)
+        spec = _spec(tmp_path / name, "diloco", sync, steps=80, **four)
         for args in legs:
-            run_dir = _train(tmp_path / name, spec, *args)
-        finished = [e for e in _events(run_dir) if e["event"] == "finished"]
-        ends.append({(e["group"], e["step"], e["digest"]) for e in finished})
-    assert ends[0] == ends[1] and len(ends[0]) == 2, ends
+            runs[name] = _train(tmp_path / name, spec, *args)
+        finished = [e for e in _events(runs[name]) if e["event"] == "finished"]
+        ends.append({(e["group"], e["rank"], e["step"], e["digest"]) for e in finished})
+    assert ends[0] == ends[1] and len(ends[0]) == 4, ends
+    ddp = _spec(tmp_path / "ddp", "diloco", sync, steps=80, launch={"devices": 4})
+    runs["ddp"] = _train(tmp_path / "ddp", ddp)
+    _assert_close(_weights(runs["whole"]), _weights(runs["ddp"]))
+    sent = [_summary(runs[name])["sent_to_other_groups"]["bytes"] for name in ("whole", "ddp")]
+    assert sent[0] * 2 == pytest.approx(sent[1], rel=0.01), sent
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,9 @@ ROOMS = (*SHARED[1:], *PROCESSES, REPLICAS, "cli")
 REPLICA_DOORS = {
     "launcher.replicas.registry": {"parallel", "launch"},
     "launcher.replicas.engine": {"parallel"},
+    # `train validate` cuts the model on meta into streaming DiLoCo's fragments, as the
+    # workers' engine will.
+    "launcher.replicas.fragments": {"cli"},
 }
 
 

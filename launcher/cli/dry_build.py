@@ -74,6 +74,12 @@ def dry_build(spec: RunSpec, origin: str = "") -> str:
         parts.append(experts)
     if spec.parallel.pp > 1:
         parts.append(pipeline_fits(spec, recipe, model))
+    fragments = spec.fault_tolerance.sync.fragments
+    if fragments > 1:  # streaming DiLoCo: whole blocks in each fragment
+        from launcher.replicas.fragments import block_count, describe_fragments, fragments_of
+
+        cut = fragments_of(model, fragments, spec.fsdp.wrap)
+        parts.append(describe_fragments(cut, block_count(model, spec.fsdp.wrap)))
     train_part, batch = _train_summary(recipe, spec)
     parts.append(train_part)
     if spec.eval.every_n_steps is not None:

@@ -60,6 +60,31 @@ class SyncSection(Section):
         "paper's). `{name: SGD, lr: 1.0}` is `local_sgd`.",
     )
 
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="`diloco`: sync the model in this many fragments of whole blocks (a "
+        "transformer's layers), one fragment in turn every `every / fragments` steps "
+        "(streaming DiLoCo), so that each sync sends a fragment's bytes instead of the whole "
+        "model's. It must divide `every` and the model's blocks (`train validate` says).",
+    )
+
+    @model_validator(mode="after")
+    def _fragments_fit(self) -> SyncSection:
+        if self.fragments == 1:
+            return self
+        if self.method != "diloco":
+            raise ValueError(
+                f"fragments: {self.fragments} fragments are streaming DiLoCo's; set method: "
+                f"diloco, or fragments: 1"
+            )
+        if self.every % self.fragments:
+            raise ValueError(
+                f"fragments: {self.fragments} does not divide every ({self.every}): each "
+                "fragment syncs once per round, every / fragments steps apart"
+            )
+        return self
+
     @field_validator("outer_optim")
     @classmethod
     def _outer_optimizer(cls, given: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:

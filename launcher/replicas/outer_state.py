@@ -32,25 +32,25 @@ class OuterState:
         self.optimizer = optimizer_class(outer_optim["name"])(self._local, **options)
         _start_state(self.optimizer)
 
-    def pseudo_gradients(self) -> list[torch.Tensor]:
-        """What each weight moved since the last sync, as DiLoCo's outer gradient: the synced
-        weight less the trained one (a descent direction, as a gradient is)."""
+    def pseudo_gradients(self, indexes: list[int]) -> list[torch.Tensor]:
+        """What each weight of `indexes` (positions in `names`) moved since the last sync, as
+        DiLoCo's outer gradient: the synced weight less the trained one (a descent direction,
+        as a gradient is)."""
         with torch.no_grad():
-            return [s - local_shard(p) for s, p in zip(self._local, self.params, strict=True)]
+            return [self._local[i] - local_shard(self.params[i]) for i in indexes]
 
-    def step(self, averaged: list[torch.Tensor]) -> None:
-        """The outer optimizer's step on the synced weights, by the groups' averaged pseudo-
-        gradients; the model then holds the new synced weights."""
-        for synced, grad in zip(self._local, averaged, strict=True):
-            synced.grad = grad
+    def step(self, indexes: list[int], averaged: list[torch.Tensor]) -> None:
+        """The outer optimizer's step on the synced weights of `indexes`, by the groups'
+        averaged pseudo-gradients (the others, without a gradient, stay as they are); the
+        model then holds the new synced weights there."""
+        for i, grad in zip(indexes, averaged, strict=True):
+            self._local[i].grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.restart()
-
-    def restart(self) -> None:
-        """The model's weights become the synced ones."""
         with torch.no_grad():
-            torch._foreach_copy_([local_shard(p) for p in self.params], self._local)
+            torch._foreach_copy_(
+                [local_shard(self.params[i]) for i in indexes], [self._local[i] for i in indexes]
+            )
 
     def take_model(self) -> None:
         """The synced weights become the model's (a checkpoint without outer state: the run

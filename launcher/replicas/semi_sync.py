@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from launcher.checkpoint.state import LoopState, ModelState
 from launcher.config.spec import RunSpec
 from launcher.parallel.base import Strategy, local_shard
 from launcher.parallel.rng import rank_seed
+from launcher.parallel.wrapper_names import named_parameters
+from launcher.replicas.fragments import fragments_of
 from launcher.replicas.outer_state import OuterState
 from launcher.replicas.torchft_engine import TorchftEngine, digest, first_words
 from launcher.rundir.worker_plan import ReplicaGroup
@@ -48,7 +52,13 @@ class SemiSyncEngine(TorchftEngine):
         self.trained_since_sync = 0  # steps this group took since its last sync
         self.syncs = 0
         self._sync_losses: dict[str, float] = {}  # for the next metrics record
-        self._exchange_bytes = 0  # of the weights' exchange at a sync
+        self._spec = spec
+        self._fragments: list[list[int]] | None = None  # positions in `_named()`, by fragment
+        self._syncing: list[int] = []  # the fragments of the sync under way (a healer's too)
+
+    def share_state(self, model: ModelState, loop: LoopState, reload: Callable[[], bool]) -> None:
+        super().share_state(model, loop, reload)
+        self._fragments_by_index()  # a count that does not divide the blocks: refused now
 
     def extra_state(self, model: torch.nn.Module) -> OuterState | None:
         """diloco's outer state; local_sgd has none."""
@@ -79,9 +89,20 @@ class SemiSyncEngine(TorchftEngine):
         return True
 
     def end_step(self, step: int, last: bool) -> bool:
-        if step % self.sync.every and not last:
-            return False
-        return self._sync(step)
+        due = self._due(step, last)
+        return self._sync(step, due) if due else False
+
+    def _due(self, step: int, last: bool) -> list[int]:
+        """The fragments synced after step `step`: with F fragments, fragment i every
+        `every` steps, (i + 1) * every / F steps into each round; all of them after the last
+        step, so that the run ends with one model."""
+        count = len(self._fragments_by_index())
+        if last:
+            return list(range(count))
+        into, spacing = step % self.sync.every, self.sync.every // count
+        if into % spacing:
+            return []
+        return [(into // spacing - 1) % count]
 
     # -- the sync --------------------------------------------------------------------------
 
@@ -97,7 +118,7 @@ class SemiSyncEngine(TorchftEngine):
             self._healed = False
             healed = {"step": self.manager.current_step(), "heal_s": time.perf_counter() - started}
             self._record("healed", **healed)
-            if not self._exchange():
+            if not self._exchange(self._syncing):
                 self._say("the sync this group joined failed; it joins the next one")
             return True
         self._note_quorum(self.manager.num_participants())
@@ -105,16 +126,18 @@ class SemiSyncEngine(TorchftEngine):
             return self._reload_without_peers()
         return False
 
-    def _sync(self, step: int) -> bool:
-        """The groups' sync after step `step`; True where this group's state was replaced by
-        a live group's meanwhile (it was behind)."""
+    def _sync(self, step: int, fragments: list[int]) -> bool:
+        """The groups' sync of `fragments` after step `step`; True where this group's state
+        was replaced by a live group's meanwhile (it was behind: it then syncs what that
+        group syncs)."""
         for attempt in range(SYNC_ATTEMPTS):
             self.manager.load_state_dict({"step": step, "batches_committed": 0})
             started, sent = time.perf_counter(), self.bytes_sent
-            self._start_quorum()
+            self._syncing = fragments
+            self._start_quorum()  # a heal replaces `_syncing` with the live group's
             healed, self._healed = self._healed, False
             self._note_quorum(self.manager.num_participants())
-            if self._exchange():
+            if self._exchange(self._syncing):
                 took = time.perf_counter() - started
                 self._announce(step, self.bytes_sent - sent, took, attempt)
                 return healed
@@ -124,17 +147,18 @@ class SemiSyncEngine(TorchftEngine):
             f"fault_tolerance.sync: the sync after step {step} failed {SYNC_ATTEMPTS} times"
         )
 
-    def _exchange(self) -> bool:
-        """The all-reduce and the vote; on a committed vote, the model holds the synced
-        weights (which a healing group receives as zeros: torchft counts it out)."""
-        params = self._trained_params()
+    def _exchange(self, fragments: list[int]) -> bool:
+        """The all-reduce of `fragments` and the vote; on a committed vote, the model holds
+        their synced weights (a healing group's share counts as zeros: torchft counts it
+        out)."""
+        by_fragment = self._fragments_by_index()
+        indexes = sorted(i for f in fragments for i in by_fragment[f])
+        params = [self._named()[i][1] for i in indexes]
         if self.outer is None:  # local_sgd: the weights' average
             averaged = [local_shard(p).detach().clone() for p in params]
         else:
-            averaged = self.outer.pseudo_gradients()
-        sent = self.bytes_sent
+            averaged = self.outer.pseudo_gradients(indexes)
         self.average_across_groups(averaged)
-        self._exchange_bytes = self.bytes_sent - sent
         losses = self._losses_of_groups()
         if not self.manager.should_commit():
             return False
@@ -143,7 +167,7 @@ class SemiSyncEngine(TorchftEngine):
             with torch.no_grad():
                 torch._foreach_copy_([local_shard(p) for p in params], averaged)
         else:
-            self.outer.step(averaged)
+            self.outer.step(indexes, averaged)
         self.trained_since_sync = 0
         self.syncs += 1
         return True
@@ -171,9 +195,29 @@ class SemiSyncEngine(TorchftEngine):
         self._sync_losses = {}
         return figures
 
-    def _trained_params(self) -> list[torch.Tensor]:
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        """The trained parameters, by name, in the model's order (`outer_state`'s too)."""
         model, _, _ = self._state_shared()
-        return [p for p in model.model.parameters() if p.requires_grad]
+        return [(n, p) for n, p in named_parameters(model.model) if p.requires_grad]
+
+    def _fragments_by_index(self) -> list[list[int]]:
+        """Each fragment's parameters, as positions in `_named()` (one fragment: all)."""
+        if self._fragments is None:
+            model, _, _ = self._state_shared()
+            fsdp = self._spec.fsdp.wrap
+            names = fragments_of(model.model, self.sync.fragments, fsdp)
+            position = {name: i for i, (name, _) in enumerate(self._named())}
+            self._fragments = [[position[n] for n in fragment] for fragment in names]
+        return self._fragments
+
+    # -- what a healing group receives: the fragments of the sync under way too ---------------
+
+    def _peer_state(self) -> dict[str, Any]:
+        return {**super()._peer_state(), "syncing": list(self._syncing)}
+
+    def _load_peer_state(self, state: dict[str, Any]) -> None:
+        super()._load_peer_state(state)
+        self._syncing = list(state["syncing"])
 
     def _void_reason(self) -> str:
         error = self.manager.errored()
@@ -181,24 +225,30 @@ class SemiSyncEngine(TorchftEngine):
 
     def _announce(self, step: int, sent: int, took: float, attempt: int) -> None:
         groups = self.manager.num_participants()
-        model, _, _ = self._state_shared()
+        by_fragment, named = self._fragments_by_index(), self._named()
+        synced = [named[i][1] for f in self._syncing for i in by_fragment[f]]
         self._record(
             "sync", every_rank=True, rank=self.strategy.rank, step=step, groups=groups,
-            bytes=sent, sync_s=took, attempt=attempt, digest=digest(model.model),
+            fragments=self._syncing, bytes=sent, sync_s=took, attempt=attempt,
+            digest=digest(synced),  # of the weights the sync set: alike in every group
         )  # fmt: skip
+        count = self.sync.fragments
+        what = "" if count == len(self._syncing) else f" of fragment {self._syncing[0] + 1}/{count}"
         if self.saves_checkpoints:  # said once, by the group leading the quorum
             self._say(
-                f"sync after step {step}: {groups} of {self.group.count} replica groups, "
+                f"sync{what} after step {step}: {groups} of {self.group.count} replica groups, "
                 f"{_size(sent)} sent, {took:.2f} s"
             )
 
     def summary(self) -> dict[str, Any]:
         summary = super().summary()
-        # Per-step syncing sends one exchange's bytes (the gradients, as large) every step.
-        every_step = self._exchange_bytes * self.steps_taken
+        # Per-step syncing sends the gradients, as large as the weights, every step.
+        weights = sum(local_shard(p).numel() * p.element_size() for _, p in self._named())
+        every_step = weights * self.steps_taken
         summary["fault_tolerance"]["sync"] = {
             "method": self.sync.method,
             "every": self.sync.every,
+            "fragments": self.sync.fragments,
             "syncs": self.syncs,
             "bytes_saved": round(1 - self.bytes_sent / every_step, 4) if every_step else None,
         }

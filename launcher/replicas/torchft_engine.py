@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +214,7 @@ class TorchftEngine(ReplicaEngine):
     def stop(self) -> None:
         if self._shared is not None:  # what the groups should agree on
             model, loop, _ = self._shared
-            step, weights = loop.progress.step, digest(model.model)
+            step, weights = loop.progress.step, digest(model.model.parameters())
             self._record(
                 "finished", every_rank=True, rank=self.strategy.rank, step=step, digest=weights
             )
@@ -280,10 +280,11 @@ def first_words(message: str, limit: int = 160) -> str:
     return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
-def digest(model: nn.Module) -> str:
-    """A hash of this process's parameters (its shards): alike in every group, rank by rank."""
+def digest(params: Iterable[torch.Tensor]) -> str:
+    """A hash of this process's part of `params` (its shards): alike in every group, rank by
+    rank, where the groups agree."""
     hashed = hashlib.sha256()
-    for param in model.parameters():
+    for param in params:
         hashed.update(local_shard(param.detach()).cpu().contiguous().view(torch.uint8).numpy())
     return hashed.hexdigest()[:16]
 

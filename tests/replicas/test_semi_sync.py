@@ -38,7 +38,7 @@ def loss(model, batch):
     global calls
     calls += 1
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    victim = os.environ["REPLICA_GROUP_ID"] == "1" and os.environ["RANK"] == "0"
+    victim = os.environ.get("REPLICA_GROUP_ID") == "1" and os.environ.get("RANK") == "0"
     if first and victim and calls == int(os.environ.get("KILL_AT", "0")):
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
@@ -48,7 +48,10 @@ def loss(model, batch):
 SGD = {"name": "SGD", "lr": 0.1}
 
 
-def _spec(folder: Path, name: str, sync: dict[str, Any], steps: int = 20, **sections: dict) -> Path:
+def _spec(
+    folder: Path, name: str, sync: dict[str, Any], steps: int = 20, layers: int = 1,
+    **sections: dict,
+) -> Path:  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "recipe.py").write_text(KILLER)
     return write_spec(
@@ -57,7 +60,7 @@ def _spec(folder: Path, name: str, sync: dict[str, Any], steps: int = 20, **sect
             "launch": {"strategy": "ddp", "devices": 2, "max_restarts": 2},
             "recipe": {
                 "source": str(folder / "recipe.py"),
-                "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16,
+                "model": {"n_layer": layers, "n_head": 2, "n_embd": 16, "block_size": 16,
                           "dropout": 0.1},
                 "dataset": {"block_size": 16, "max_bytes": 20_000},
             },
@@ -196,6 +199,41 @@ def test_fsdp_groups_resume_from_a_sync_bit_for_bit_and_train_as_ddp_groups(
     assert sent[0] * 2 == pytest.approx(sent[1], rel=0.01), sent
 
 
+def test_streaming_diloco_syncs_one_fragment_in_turn_alike_in_every_group(tmp_path: Path) -> None:
+    """`fragments: 2` of a GPT of 2 blocks, every 4 steps: fragment 1 after steps 2, 6, 10,
+    fragment 2 after 4, 8, and both after the last; what each sync set is alike in both
+    groups, and the two fragments' exchanges add up to the whole model's."""
+    sync = {"method": "diloco", "every": 4, "fragments": 2}
+    run_dir = _train(tmp_path, _spec(tmp_path, "fragments", sync, steps=11, layers=2))
+    syncs = [e for e in _events(run_dir) if e["event"] == "sync"]
+    order = sorted({(e["step"], tuple(e["fragments"])) for e in syncs})
+    assert order == [(2, (0,)), (4, (1,)), (6, (0,)), (8, (1,)), (10, (0,)), (11, (0, 1))]
+    by_step: dict[int, set[str]] = {}
+    for event in syncs:
+        by_step.setdefault(event["step"], set()).add(event["digest"])
+    assert all(len(digests) == 1 for digests in by_step.values()), by_step
+    sent = {e["step"]: e["bytes"] for e in syncs if e["group"] == 0}
+    assert sent[2] + sent[4] == pytest.approx(sent[11], rel=0.01), sent
+    assert 0.1 < sent[2] / sent[11] < 0.9 and 0.1 < sent[4] / sent[11] < 0.9, sent
+    finished = [e for e in _events(run_dir) if e["event"] == "finished"]
+    assert fault_events.groups_agree(finished) is True, finished
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "sync of fragment 2/2 after step 4: 2 of 2 replica groups" in log
+
+
+def test_fragments_that_do_not_divide_the_blocks_are_refused_by_validate(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "refused", {"method": "diloco", "every": 8, "fragments": 4}, layers=2)
+    usage_error(
+        run_train(["validate", "--config", str(spec)], tmp_path),
+        "fault_tolerance.sync.fragments: 4 does not divide the model's 2 blocks (Block)",
+    )
+    ok = run_train(
+        ["validate", "--config", str(spec), "fault_tolerance.sync.fragments=2"], tmp_path
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "diloco: 2 fragments of 1 block each, synced in turn" in ok.stdout
+
+
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
@@ -203,8 +241,20 @@ def test_fsdp_groups_resume_from_a_sync_bit_for_bit_and_train_as_ddp_groups(
         (["fault_tolerance.sync.every=0"], "fault_tolerance.sync.every"),
         (["fault_tolerance.sync.outer_optim={name: Nesterov, lr: 0.7}"], "got 'Nesterov'"),
         (["fault_tolerance.enabled=false"], "set fault_tolerance.enabled: true"),
+        (
+            ["fault_tolerance.sync.method=local_sgd", "fault_tolerance.sync.fragments=2"],
+            "fragments: 2 fragments are streaming DiLoCo's",
+        ),
+        (["fault_tolerance.sync.fragments=3"], "fragments: 3 does not divide every (10)"),
     ],
-    ids=["unknown-method", "every-0", "unknown-outer-optimizer", "without-groups"],
+    ids=[
+        "unknown-method",
+        "every-0",
+        "unknown-outer-optimizer",
+        "without-groups",
+        "fragments-of-local-sgd",
+        "fragments-not-dividing-every",
+    ],
 )
 def test_a_sync_that_cannot_run_is_refused_before_launch(
     tmp_path: Path, overrides: list[str], said: str

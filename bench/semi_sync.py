@@ -5,7 +5,8 @@ of bench/gpt_bench.yaml, 2 replica groups of 1 CPU process each.
 
 1. Convergence: the val loss after `--steps` steps (the whole val split's mean, one evaluation
    at the end) of per-step syncing, DiLoCo at H = 10, 50 and 100 (its outer optimizer the
-   paper's: Nesterov SGD, lr 0.7, momentum 0.9) and LocalSGD at H = 50.
+   paper's: Nesterov SGD, lr 0.7, momentum 0.9), streaming DiLoCo (4 fragments, H = 48: a
+   fragment every 12 steps) and LocalSGD at H = 50.
 2. A slow link between the groups: each all-reduce between groups is held back by its bytes
    over the link's bandwidth (10 and 100 MB/s; a bench recipe wraps torchft's
    `Manager.allreduce`, the one door between groups), and the step rate of per-step syncing
@@ -58,6 +59,12 @@ CONVERGENCE = {
     "diloco_h10": {"method": "diloco", "every": 10, "outer_optim": DILOCO},
     "diloco_h50": {"method": "diloco", "every": 50, "outer_optim": DILOCO},
     "diloco_h100": {"method": "diloco", "every": 100, "outer_optim": DILOCO},
+    "diloco_h50_fragments4": {
+        "method": "diloco",
+        "every": 48,
+        "fragments": 4,
+        "outer_optim": DILOCO,
+    },
     "local_sgd_h50": {"method": "local_sgd", "every": 50},
 }
 

@@ -95,7 +95,11 @@ class SyncSection(Section):
         if not isinstance(lr, int | float) or isinstance(lr, bool):
             raise ValueError(f"outer_optim.lr: expected a number, got {lr!r}")
         problem = bad_values({"lr": lr, **options})
-        if problem is None and not skip_torch_checks(info):
+        # The default is known to build, and checking it would import torch into every
+        # spec's validation, the torch-free one too (a section's default is made without
+        # the validation's context).
+        checked = given != OUTER_OPTIM_DEFAULT and not skip_torch_checks(info)
+        if problem is None and checked:
             found = find_optimizer(name)
             problem = (
                 found

@@ -49,7 +49,6 @@ class SemiSyncEngine(TorchftEngine):
         super().__init__(strategy, group, spec, attempt)
         self.sync = spec.fault_tolerance.sync
         self.outer: OuterState | None = None  # diloco's, made with the model (`extra_state`)
-        self.trained_since_sync = 0  # steps this group took since its last sync
         self.syncs = 0
         self._sync_losses: dict[str, float] = {}  # for the next metrics record
         self._spec = spec
@@ -84,7 +83,6 @@ class SemiSyncEngine(TorchftEngine):
         return values  # no exchange between syncs: the group's own figures
 
     def commit_step(self) -> bool:
-        self.trained_since_sync += 1
         self.steps_taken += 1
         return True
 
@@ -168,7 +166,6 @@ class SemiSyncEngine(TorchftEngine):
                 torch._foreach_copy_([local_shard(p) for p in params], averaged)
         else:
             self.outer.step(indexes, averaged)
-        self.trained_since_sync = 0
         self.syncs += 1
         return True
 

@@ -28,7 +28,8 @@ from launcher.checkpoint.weights import _refusal, match_names
 from launcher.checkpoint.weights_source import WeightsSource
 from launcher.rundir.layout import CheckpointFiles
 from launcher.rundir.reading import UnreadableJson, read_json
-from tests.conftest import finish_train, start_train, usage_error, write_spec
+from tests.conftest import usage_error, write_spec
+from tests.forked_train import train_in_fork
 
 pytestmark = [
     pytest.mark.launcher_only,
@@ -61,7 +62,8 @@ def _limit_memory() -> None:
 
 
 def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return finish_train(start_train(args, cwd, preexec_fn=_limit_memory), cwd, timeout=90)
+    # A fork of the warm test server (`tests.forked_train`): the limit is set in the fork.
+    return train_in_fork(args, cwd, timeout=90, preexec_fn=_limit_memory)
 
 
 def _refused(result: subprocess.CompletedProcess[str], *expected: str) -> None:

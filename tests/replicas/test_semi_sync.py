@@ -102,7 +102,7 @@ def _assert_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """20 steps of plain SGD in each group: synced every step; LocalSGD every 1 and every 5;
+    """10 steps of plain SGD in each group: synced every step; LocalSGD every 1 and every 5;
     DiLoCo every 5 whose outer optimizer is SGD at lr 1 (LocalSGD's average)."""
     folder = tmp_path_factory.mktemp("sync")
     syncs = {
@@ -112,7 +112,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "diloco_lr1_5": {"method": "diloco", "every": 5, "outer_optim": {"name": "SGD", "lr": 1.0}},
     }  # fmt: skip
     return {
-        name: _train(folder, _spec(folder, name, sync, optim=SGD)) for name, sync in syncs.items()
+        name: _train(folder, _spec(folder, name, sync, steps=10, optim=SGD))
+        for name, sync in syncs.items()
     }
 
 

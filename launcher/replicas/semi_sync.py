@@ -21,7 +21,6 @@ data position), takes part in the sync with nothing of its own, and trains on fr
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 
 from launcher.checkpoint.state import LoopState, ModelState
 from launcher.config.spec import RunSpec
+from launcher.metrics.memory import size_text
 from launcher.parallel.base import Strategy, local_shard
 from launcher.parallel.rng import rank_seed
 from launcher.parallel.wrapper_names import named_parameters
@@ -234,7 +234,7 @@ class SemiSyncEngine(TorchftEngine):
         if self.saves_checkpoints:  # said once, by the group leading the quorum
             self._say(
                 f"sync{what} after step {step}: {groups} of {self.group.count} replica groups, "
-                f"{_size(sent)} sent, {took:.2f} s"
+                f"{size_text(sent)} sent, {took:.2f} s"
             )
 
     def summary(self) -> dict[str, Any]:
@@ -250,11 +250,3 @@ class SemiSyncEngine(TorchftEngine):
             "bytes_saved": round(1 - self.bytes_sent / every_step, 4) if every_step else None,
         }
         return summary
-
-
-def _size(count: int) -> str:
-    """Bytes as a person reads them: 812 B, 3.2 MiB."""
-    if count < 1024:
-        return f"{count} B"
-    exponent = min(int(math.log(count, 1024)), 3)
-    return f"{count / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"

@@ -263,3 +263,24 @@ def test_a_sync_that_cannot_run_is_refused_before_launch(
     spec = _spec(tmp_path, "refused", {"method": "diloco", "every": 10})
     usage_error(run_train(["--config", str(spec), *overrides], tmp_path), said)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_stock_hugging_face_llama_syncs_in_fragments_of_its_decoder_layers(
+    tmp_path: Path,
+) -> None:
+    """Streaming DiLoCo on `recipes/hf_causal_lm.py`'s Llama, built from its config: the
+    fragments are cut at its own `_no_split_modules` (LlamaDecoderLayer), and the groups end
+    alike."""
+    pytest.importorskip("transformers")
+    hf = {"source": str(REPO / "recipes" / "hf_causal_lm.py"), "model": {"family": "llama"},
+          "dataset": {"seq_len": 16}}  # fmt: skip
+    sync = {"method": "diloco", "every": 4, "fragments": 2}
+    spec = _spec(tmp_path, "hf", sync, steps=8, recipe=hf, data={"batch_size": 4})
+    checked = run_train(["validate", "--config", str(spec)], tmp_path)
+    assert "diloco: 2 fragments of 2 blocks each" in checked.stdout, checked.stdout + checked.stderr
+    run_dir = _train(tmp_path, spec)
+    syncs = sorted(
+        {(e["step"], tuple(e["fragments"])) for e in _events(run_dir) if e["event"] == "sync"}
+    )
+    assert syncs == [(2, (0,)), (4, (1,)), (6, (0,)), (8, (0, 1))], syncs
+    assert fault_events.groups_agree(_events(run_dir)) is True

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from launcher.config.spec import RunSpec
+from launcher.worker.fork_server import NAME as FORK_SERVER_NAME
 from launcher.worker.loader_workers import fork_may_hang
 from tests.tiny_recipes import FAULTY_RECIPE  # noqa: F401  (the tests take it from here)
 
@@ -114,14 +115,15 @@ def _where_they_hang(pid: int, cwd: Path) -> str:
 
 def training_processes(launcher_pid: int) -> list[psutil.Process]:
     """The launcher's training processes (ranks): its children that run
-    `launcher.worker.main`, or the children of its fork servers (`launch.worker_start`)."""
+    `launcher.worker.main`, or the children of its fork servers (`launch.worker_start`: one
+    forked from the launcher, named so, or one started as `launcher.worker.fork_server`)."""
     found = []
     for child in psutil.Process(launcher_pid).children():
         try:
             command = " ".join(child.cmdline())
             if "launcher.worker.main" in command:
                 found.append(child)
-            elif "launcher.worker.fork_server" in command:
+            elif child.name() == FORK_SERVER_NAME or "launcher.worker.fork_server" in command:
                 found += child.children()
         except psutil.Error:
             continue  # ended meanwhile
@@ -143,11 +145,13 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen[st
 
 def _assert_no_leftovers(pgid: int, marker: str) -> None:
     """Workers run in sessions of their own (the elastic agent starts them so), so look for
-    them by the test's own folder in their command line as well as by process group."""
+    them by the test's own folder, in their command line or as their working directory (a
+    fork of the launcher keeps its command line), as well as by process group."""
     left = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
         try:
             mine = os.getpgid(p.pid) == pgid or any(marker in a for a in p.info["cmdline"] or [])
+            mine = mine or (p.info["cwd"] or "").startswith(marker)
         except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if mine and p.pid != os.getpid():

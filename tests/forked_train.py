@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.worker.fork_server import PRELOAD
 from tests.conftest import _assert_no_leftovers, _where_they_hang, finish_train, start_train
 
 # What `train` imports on its way to refusing a spec: preloaded by the fork server, once.
@@ -45,6 +46,10 @@ _WARM = [
     "launcher.launch.plan",
     "launcher.checkpoint.resume_decision",
     "tests.forked_train",
+    # What the launcher's fork of its workers' server then holds already (and the workers
+    # forked from it): the worker's own modules, and the Hugging Face models the tests train.
+    *PRELOAD,
+    "tests.warm_libraries",
 ]
 
 

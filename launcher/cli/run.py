@@ -124,27 +124,29 @@ def run_command(
         layers = with_operator_devices(layers, nodes)
         spec, sources, decided = spec_given(layers, resume, run_dir, nodes.job_id)
         from launcher.cli.recipe_check import check_recipe
-
-        # A recipe that cannot load or take its arguments fails here.
-        libraries = check_recipe(spec, sources)
         from launcher.launch.execute import execute
+        from launcher.launch.fork_server import warm_server
         from launcher.launch.plan import make_plan
 
-        plan = make_plan(
-            spec,
-            run_dir=run_dir,
-            resume=resume,
-            ranks=ranks,
-            debug=debug,
-            nodes=nodes,
-            sources=sources,
-            layers=layers,
-            resume_decided=decided,
-        )
-        plan = dataclasses.replace(plan, recipe_libraries=libraries)
-        if plan.accelerator == "gpu":  # before it starts: a layout that will not fit
-            plan = _with_memory_estimate(plan, sources.get("recipe.source", ""))
-        return execute(plan)
+        # Forked now, before the recipe is imported: the workers' server never holds user code.
+        with warm_server(spec) as fork_server:
+            # A recipe that cannot load or take its arguments fails here.
+            libraries = check_recipe(spec, sources)
+            plan = make_plan(
+                spec,
+                run_dir=run_dir,
+                resume=resume,
+                ranks=ranks,
+                debug=debug,
+                nodes=nodes,
+                sources=sources,
+                layers=layers,
+                resume_decided=decided,
+            )
+            plan = dataclasses.replace(plan, recipe_libraries=libraries)
+            if plan.accelerator == "gpu":  # before it starts: a layout that will not fit
+                plan = _with_memory_estimate(plan, sources.get("recipe.source", ""))
+            return execute(plan, fork_server=fork_server)
 
     run_guarded(launch, debug)
 

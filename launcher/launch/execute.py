@@ -18,8 +18,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.errors import RunError
 from launcher.launch import failure_report
-from launcher.launch.agent import AgentThread, agent_config, forked_workers, quiet_elastic
+from launcher.launch.agent import AgentThread, agent_config, quiet_elastic
 from launcher.launch.closed_output import LauncherConsole
+from launcher.launch.fork_server import ForkServer, forked_workers
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.reaper import Reaper
 from launcher.launch.run_folder import prepare_run_dir
@@ -28,9 +29,12 @@ from launcher.replicas.registry import coordinator_function
 from launcher.rundir.outcome import OutcomeRecorder
 
 
-def execute(plan: LaunchPlan, console: Console | None = None) -> NoReturn:
+def execute(
+    plan: LaunchPlan, console: Console | None = None, fork_server: ForkServer | None = None
+) -> NoReturn:
     """Runs the plan to the end and ends the process with its exit code; the run folder
-    records how it ended (`launcher.rundir.outcome`)."""
+    records how it ended (`launcher.rundir.outcome`). `fork_server`: the workers' server,
+    forked from this process as it started (`fork_server.warm_server`), which the run owns."""
     # Whatever the user's umask, nothing the run writes (folders, logs, checkpoints, by the
     # launcher or its workers, who inherit this) is writable by other users.
     os.umask(os.umask(0) | 0o002)
@@ -39,7 +43,7 @@ def execute(plan: LaunchPlan, console: Console | None = None) -> NoReturn:
         prepare_run_dir(plan),
         OutcomeRecorder(plan.layout, plan.writes_shared_files) as recorder,
     ):
-        ending = _run(plan, console)
+        ending = _run(plan, console, fork_server)
         recorder.record(*ending)
     # The run is recorded and every process of it has ended. What a normal exit adds is the
     # interpreter's teardown of torch's modules: 0.3 to 1 s that nothing needs (issue 41); and
@@ -55,7 +59,7 @@ class Ending(NamedTuple):
     reason: str = ""
 
 
-def _run(plan: LaunchPlan, console: Console | None) -> Ending:
+def _run(plan: LaunchPlan, console: Console | None, fork_server: ForkServer | None) -> Ending:
     # Left by an earlier attempt in this folder (a requeued job's, say): its stop request.
     # Every node removes it before it joins, so never after the run has started.
     plan.layout.stop_request.unlink(missing_ok=True)
@@ -69,7 +73,7 @@ def _run(plan: LaunchPlan, console: Console | None) -> Ending:
     _announce(plan, console)
     try:
         # Nothing the run starts outlives it; its workers are forked by a warm server.
-        with Reaper() as reaper, forked_workers(plan):
+        with Reaper() as reaper, forked_workers(plan, fork_server):
             # Replica groups (fault_tolerance): their engine's coordinator runs them.
             supervise_groups = coordinator_function(plan.spec.fault_tolerance, "supervise")
             if supervise_groups is not None:

@@ -26,13 +26,13 @@ from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
 from launcher.launch.interfaces import address_towards, is_loopback, socket_interface_env
-from launcher.launch.ranks import parse_ranks
 from launcher.launch.rendezvous import LOOPBACK
 from launcher.metrics.trackers import check_trackers_usable
 from launcher.parallel import float8
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.plain_number import plain_number
+from launcher.ranks import parse_ranks
 from launcher.replicas.registry import coordinator_function
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import ReplicaGroup, WorkerPlan
@@ -120,19 +120,8 @@ class LaunchPlan:
     @property
     def forks_workers(self) -> bool:
         """`launch.worker_start`, resolved: whether the workers are forked by the fork server
-        (`launcher.launch.agent.ForkServer`) rather than started as new interpreters."""
-        start = self.spec.launch.worker_start
-        if start != "auto":
-            return start == "forkserver"
-        # GPUs too, once a GPU session has measured it (issue 58). The xla strategies start
-        # their replicas themselves (torch_xla's spawn, or one process driving every device).
-        per_device = strategy_info(self.spec.launch.strategy).processes == "per_device"
-        if sys.platform != "linux" or self.accelerator != "cpu" or not per_device:
-            return False
-        # A first start costs about what it does without the server (its imports, once,
-        # against every worker's at once: bench/worker_start.py); every start after it is
-        # a fork. So: where workers may start again (restarts, replica groups that heal).
-        return self.spec.launch.max_restarts > 0 or self.replica_groups > 0
+        (`launcher.launch.fork_server`) rather than started as new interpreters."""
+        return workers_forked(self.spec, self.accelerator)
 
     @property
     def group_host(self) -> str:
@@ -224,6 +213,19 @@ class LaunchPlan:
         """The global rank of this host's first log on a TPU pod (torch_xla numbers hosts'
         devices one host after the other); 0 elsewhere."""
         return self.host_index * self.devices.replica_logs
+
+
+def workers_forked(spec: RunSpec, accelerator: str) -> bool:
+    """`launch.worker_start` resolved for `accelerator`: `auto` forks on Linux CPUs, where
+    the server is forked from the launcher itself and every start, the first too, is a fork
+    of it (bench/worker_start.py). GPUs too, once a GPU session has measured it (issue 58).
+    The xla strategies start their replicas themselves (torch_xla's spawn, or one process
+    driving every device)."""
+    start = spec.launch.worker_start
+    if start != "auto":
+        return start == "forkserver"
+    per_device = strategy_info(spec.launch.strategy).processes == "per_device"
+    return sys.platform == "linux" and accelerator == "cpu" and per_device
 
 
 def make_plan(

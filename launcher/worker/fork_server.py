@@ -1,39 +1,54 @@
-"""The workers' fork server: one warm process per launcher that imports torch and the
-worker's code once, then forks a worker whenever the elastic agent starts one
-(`launch.worker_start: forkserver`; `launcher.launch.agent.ForkServer` is the launcher's half).
+"""The workers' fork server: one warm process per launcher that holds torch and the worker's
+code, imported once, and forks a worker whenever the elastic agent starts one
+(`launch.worker_start`; `launcher.launch.fork_server` is the launcher's half).
 
 Why: a worker started as a new interpreter spends 1.5-2.5 s of CPU importing torch and the
 launcher before it does anything (issue 54), every rank at once on every start and restart. A
 fork of a process that imported them once starts in milliseconds, sharing those pages.
+
+How it starts, either way with the same life after (`serve`):
+- Forked from the launcher (`run_forked`), the usual way: once the spec is valid, while the
+  launcher is single-threaded, has imported torch and has not yet imported the recipe. It
+  first becomes what `python -m` would have started (`_as_new_process`): a session of its
+  own, /dev/null in place of every descriptor it inherited, Python's own signal handlers,
+  the collector on.
+- As a new interpreter (`python -m launcher.worker.fork_server --fd N`), where the launcher
+  could not fork it (a thread was running) and for each replica group (its environment, as
+  tools read it from /proc, holds the group's).
 
 Why it is safe to fork: this process is single-threaded (nothing it imports starts a Python
 thread), so a child cannot inherit a lock another thread held (CPython gh-112275). It imports
 no user code, initialises no device and runs no collective.
 
 What a child is: the same `python -u -m launcher.worker.main ARGS` the agent asked for, run by
-`runpy` as `__main__`, in a session of its own, with the environment, working directory and
-standard streams it was sent (as `subprocess.Popen(start_new_session=True)` would give it). Its
-command line stays this server's; tests and tools find workers as this server's children.
+`runpy` as `__main__`, in a session of its own, with the environment, working directory,
+`sys.path[0]` and standard streams it was sent (as `subprocess.Popen(start_new_session=True)`
+would give it). What a new interpreter reads from its environment only as it starts, a forked
+one is given by call: OpenMP's threads (`torch.set_num_threads`) and glibc's allocator
+settings (`mallopt`). Its command line is this server's, its name (`comm`) the interpreter's.
 
 What it preloads: torch and the worker's own modules (`PRELOAD`), and the installed
 libraries the recipe imports (a transformers model's modules), which the launcher found as it
-checked the recipe and sends first. Never the recipe itself: user code may do anything as it
+checked the recipe and sends. Never the recipe itself: user code may do anything as it
 is imported. An import that started a thread or initialised CUDA makes the server refuse to
 fork (the launcher then starts the workers as new interpreters).
 
-The protocol, on a Unix socket from the launcher (`--fd`): first the recipe's libraries (a
-length, then a pickled tuple of module names); then each request is a pickled
-`(argv, env, cwd)` with four descriptors (stdin, stdout, stderr, and the child's own status
-socket). On the status socket the child says its pid once it leads a session of its own, then
-the server, once it has reaped it, says its exit code as `subprocess` gives it (negative:
-ended by that signal). EOF on the control socket (the
-launcher ended, however) ends the server; its children end with it (`die_with_parent`).
+The protocol, on a Unix socket from the launcher: first the recipe's libraries (a
+length, then a pickled tuple of module names); then each request is a pickled `Request`
+(sent as a plain tuple: the command, environment, working directory and umask) with four
+descriptors (stdin, stdout, stderr, and the child's own status socket). On the status
+socket the child says its pid once it leads a session of its own, then the server, once it
+has reaped it, says its exit code as `subprocess` gives it (negative: ended by that signal). EOF on the control socket (the launcher ended, however) ends the
+server, and with it everything its workers started: it is their subreaper (orphans come back
+to it, whatever session they moved to) and kills them all before it exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import importlib
 import os
 import pickle
@@ -44,6 +59,7 @@ import socket
 import struct
 import sys
 import warnings
+from typing import NamedTuple
 
 # What every worker imports on its way to training (torch first). A module that fails to
 # import (renamed, or an optional dependency missing) is left to the worker, which reports it.
@@ -73,6 +89,18 @@ STATUS = struct.Struct("=cq")
 LENGTH = struct.Struct("!I")  # of the launcher's first message
 STARTED, EXITED = b"p", b"x"
 MAX_REQUEST = 1 << 20
+# Its name (`comm`: what `ps -e`, `top` and `pgrep` show); the workers take the interpreter's.
+NAME = "fork-server"
+# glibc reads these from the environment once, as a process starts (`mallopt`'s numbers).
+_MALLOC_SETTINGS = {
+    "MALLOC_TRIM_THRESHOLD_": -1,
+    "MALLOC_TOP_PAD_": -2,
+    "MALLOC_MMAP_THRESHOLD_": -3,
+    "MALLOC_MMAP_MAX_": -4,
+    "MALLOC_ARENA_TEST": -7,
+    "MALLOC_ARENA_MAX": -8,
+}
+_PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 15, 36
 
 
 def serve(control: socket.socket) -> None:
@@ -94,6 +122,7 @@ def serve(control: socket.socket) -> None:
             if key.fileobj is control:
                 request = _receive(control)
                 if request is None:
+                    _end_descendants()
                     return
                 _fork(request, children, defaults, ours)
             else:
@@ -109,13 +138,23 @@ def _receive(control: socket.socket) -> tuple[tuple, list[int]] | None:
     return pickle.loads(message), fds
 
 
+class Request(NamedTuple):
+    """A worker to start, as the launcher sends it: what `subprocess.Popen` would be given
+    (the command, environment and working directory) and what it would inherit (the umask)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    umask: int
+
+
 def _fork(
     request: tuple[tuple, list[int]],
     children: dict[int, socket.socket],
     defaults: dict[int, object],
     inherited: tuple,
 ) -> None:
-    (argv, env, cwd), fds = request
+    message, fds = request
     status = socket.socket(fileno=fds[3])
     # Blocked across the fork: a signal sent to the child before it takes its defaults back
     # waits for them instead of meeting this server's SIG_IGN (which would drop it).
@@ -124,7 +163,7 @@ def _fork(
     if pid == 0:
         for sock in children.values():
             sock.close()
-        _become_worker(argv, env, cwd, fds[:3], defaults, (*inherited, status), mask)
+        _become_worker(Request(*message), fds[:3], defaults, (*inherited, status), mask)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for fd in fds[:3]:
         os.close(fd)
@@ -132,21 +171,40 @@ def _fork(
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    """Tells the launcher each ended child's exit code, on that child's status socket."""
-    for pid in list(children):
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-        if done == 0:
+    """Reaps every ended child: a worker's exit code goes to the launcher, on that worker's
+    status socket; an orphan this server adopted (a worker's child) has no one to tell."""
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        status = children.pop(pid, None)
+        if status is None:
             continue
-        status = children.pop(pid)
         with contextlib.suppress(OSError):  # the launcher stopped listening: nothing to tell
             status.sendall(STATUS.pack(EXITED, os.waitstatus_to_exitcode(wait_status)))
         status.close()
 
 
+def _end_descendants() -> None:
+    """SIGKILLs this server's children until none is left: the workers (ended already unless
+    the launcher was), and whatever they started that outlived them, which came back to this
+    subreaper (a daemon in a session of its own, a forked child that closed its descriptors)."""
+    import psutil
+
+    while children := psutil.Process().children():
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        with contextlib.suppress(ChildProcessError):
+            for _ in children:  # each one killed is reaped; its orphans come back to us
+                os.waitpid(-1, 0)
+
+
 def _become_worker(
-    argv: list[str],
-    env: dict[str, str],
-    cwd: str,
+    request: Request,
     streams: list[int],
     defaults: dict[int, object],
     inherited: tuple,
@@ -155,29 +213,8 @@ def _become_worker(
     """The child's whole life: what `python ARGV` would have been, then os._exit."""
     code = 1
     try:
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for sig, handler in defaults.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        control, selector, wake_r, wake_w, status = inherited
-        # The pid, from the child once it leads its session and takes signals as a worker
-        # does: the agent may signal its process group as soon as it has it.
-        status.sendall(STATUS.pack(STARTED, os.getpid()))
-        status.close()
-        control.close()
-        selector.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        for target, fd in enumerate(streams):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        module, args = _module_and_args(argv)
-        sys.argv = [module, *args]
+        _leave_server(streams, defaults, inherited, mask)
+        module = _take(request)
         # Run afresh as `__main__`, as `python -m` runs it, not as the module preloaded.
         sys.modules.pop(module, None)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -195,6 +232,70 @@ def _become_worker(
         os._exit(code)
 
 
+def _leave_server(
+    streams: list[int], defaults: dict[int, object], inherited: tuple, mask: set[signal.Signals]
+) -> None:
+    """A session of its own, the signals a worker takes, the server's descriptors closed and
+    the standard streams it was sent; its pid said to the launcher."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig, handler in defaults.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    control, selector, wake_r, wake_w, status = inherited
+    # The pid, from the child once it leads its session and takes signals as a worker
+    # does: the agent may signal its process group as soon as it has it.
+    status.sendall(STATUS.pack(STARTED, os.getpid()))
+    status.close()
+    control.close()
+    selector.close()
+    os.close(wake_r)
+    os.close(wake_w)
+    for target, fd in enumerate(streams):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _take(request: Request) -> str:
+    """Becomes the process `request` describes, as an interpreter started so would be;
+    returns the module to run."""
+    os.chdir(request.cwd)
+    os.umask(request.umask)
+    os.environ.clear()
+    os.environ.update(request.env)
+    _name_process(os.path.basename(sys.executable))
+    _take_start_settings(request.env)
+    module, args = _module_and_args(request.argv)
+    sys.argv = [module, *args]
+    if not sys.flags.safe_path:  # `python -m` puts its working directory first
+        sys.path[0] = request.cwd
+    return module
+
+
+def _take_start_settings(env: dict[str, str]) -> None:
+    """What a new interpreter would have read from `env` as it started, for a forked one:
+    OpenMP's thread count (read as libgomp loads) and glibc's allocator settings (read at the
+    first malloc). Values that are not numbers are left to the libraries, as they would be."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    settings = {name: env[name] for name in _MALLOC_SETTINGS if name in env}
+    if settings and sys.platform == "linux":
+        libc = ctypes.CDLL(None)
+        for name, value in settings.items():
+            if value.isdigit():
+                libc.mallopt(_MALLOC_SETTINGS[name], int(value))
+
+
+def _name_process(name: str) -> None:
+    """Sets this process's name (`comm`, 15 bytes at most), as `ps -e` and `top` show it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def _module_and_args(argv: list[str]) -> tuple[str, list[str]]:
     """`-u -m MODULE ARGS...` (the only form the launcher sends): MODULE and ARGS."""
     options = argv[: argv.index("-m")]
@@ -208,30 +309,92 @@ def _module_and_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def preload(names: tuple[str, ...]) -> None:
-    """Imports `names` (quietly: a warning an import gives is the worker's to give, where it
-    imports something itself)."""
+    """Imports `names` quietly: a warning an import gives is the worker's to give, where it
+    imports something itself. The warning filters the modules add as they are imported
+    (sympy's, say) are kept, as a worker that imported them itself would have them."""
+    before = list(warnings.filters)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        quiet = warnings.filters[0]
         for name in names:
             with contextlib.suppress(Exception):
                 importlib.import_module(name)
+        added = [f for f in warnings.filters if f is not quiet and f not in before]
+    for action, message, category, module, lineno in reversed(added):  # oldest first
+        warnings.filterwarnings(
+            action,
+            message.pattern if message else "",
+            category,
+            module.pattern if module else "",
+            lineno,
+        )
 
 
-def _libraries(control: socket.socket) -> tuple[str, ...]:
-    """The recipe's libraries, the launcher's first message: a length, then a pickled tuple."""
-    size = LENGTH.unpack(control.recv(LENGTH.size, socket.MSG_WAITALL))[0]
+def _libraries(control: socket.socket) -> tuple[str, ...] | None:
+    """The recipe's libraries, the launcher's first message: a length, then a pickled tuple;
+    None if the launcher closed the socket first (it ended, or its run forks no worker)."""
+    head = control.recv(LENGTH.size, socket.MSG_WAITALL)
+    if len(head) < LENGTH.size:
+        return None
+    size = LENGTH.unpack(head)[0]
     return pickle.loads(control.recv(size, socket.MSG_WAITALL)) if size else ()
 
 
 def main() -> None:
+    """The server started as a new interpreter: `python -m launcher.worker.fork_server`."""
     parser = argparse.ArgumentParser(prog="launcher.worker.fork_server")
     parser.add_argument("--fd", type=int, required=True, help="the control socket")
     parser.add_argument("--run-dir", help="the run it serves (shown in `ps`)")
     args = parser.parse_args()
-    control = socket.socket(fileno=args.fd)
-    # The launcher reads this answer once the imports are done: a request sent earlier would
+    _run(socket.socket(fileno=args.fd))
+
+
+def run_forked(control_fd: int, added: dict[str, str]) -> None:
+    """The server forked from the launcher: the child's whole life, then os._exit. `added`:
+    variables added to the launcher's environment for the server and its workers."""
+    try:
+        _as_new_process(keep=control_fd)
+        os.environ.update(added)
+        _run(socket.socket(fileno=control_fd))
+    finally:
+        os._exit(0)
+
+
+def _as_new_process(keep: int) -> None:
+    """Makes this fresh fork of the launcher what `python -m` would have started, keeping the
+    descriptor `keep`: a session of its own (Ctrl-C at the terminal is the launcher's and the
+    workers'); /dev/null in place of every other descriptor (so that no pipe or socket of the
+    launcher's is held open by it, and a Python object that still names one closes
+    /dev/null, never a descriptor opened since); Python's own signal handlers, not the
+    launcher's; the cyclic collector on (the launcher pauses it while it starts)."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")):
+        if fd not in (keep, null):
+            with contextlib.suppress(OSError):
+                os.fstat(fd)  # the listing's own descriptor, closed since, is skipped
+                os.dup2(null, fd, inheritable=fd <= 2)
+    os.close(null)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    gc.enable()
+
+
+def _run(control: socket.socket) -> None:
+    """Imports what the workers import, says whether it can fork them, and serves."""
+    if sys.platform == "linux":  # what its workers leave behind comes back to it
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _name_process(NAME)
+    # The launcher reads the answer once the imports are done: a request sent earlier would
     # wait for them anyway, but a server that cannot serve is then found at once.
-    preload((*PRELOAD, *_libraries(control)))
+    preload(PRELOAD)
+    libraries = _libraries(control)
+    if libraries is None:
+        os._exit(0)
+    preload(libraries)
     unsafe = _why_not_fork()
     # A launcher that has ended (closed or reset its socket) has no more workers to start.
     with contextlib.suppress(OSError):

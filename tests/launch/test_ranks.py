@@ -1,6 +1,6 @@
 import pytest
 
-from launcher.launch.ranks import format_ranks, parse_ranks
+from launcher.ranks import format_ranks, parse_ranks
 
 
 @pytest.mark.parametrize(

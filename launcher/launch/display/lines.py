@@ -4,7 +4,7 @@ from collections.abc import Collection
 
 from rich.text import Text
 
-from launcher.launch.ranks import format_ranks
+from launcher.ranks import format_ranks
 
 # No red: red should mean trouble, not "rank 1".
 RANK_PALETTE = (

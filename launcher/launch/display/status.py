@@ -15,9 +15,9 @@ from rich.table import Table
 from rich.text import Text
 
 from launcher.launch.display.lines import rank_style
-from launcher.launch.ranks import format_ranks
 from launcher.metrics.flop_rate import flop_rate
 from launcher.metrics.record_fields import is_number
+from launcher.ranks import format_ranks
 from launcher.rundir.reading import parse_json_or_none
 
 FIELDS = (

@@ -156,6 +156,9 @@ def _assert_no_leftovers(pgid: int, marker: str) -> None:
             continue
         if mine and p.pid != os.getpid():
             left.append(p)
+    # What ends them once the launcher has (the reaper, the workers' fork server) gets a
+    # moment: a SIGKILLed launcher's run ends just after it, not with it.
+    _, left = psutil.wait_procs(left, timeout=5)
     for p in left:
         p.kill()
     assert not left, f"processes left behind: {[p.pid for p in left]}"

@@ -96,17 +96,16 @@ class LaunchSection(Section):
     )
     worker_start: Literal["auto", "forkserver", "spawn"] = Field(
         "auto",
-        description="How the training processes start. `forkserver`: forked by one process "
-        "that imported torch, the launcher and the installed libraries the recipe imports "
-        "(transformers' modules, say) once (`launcher.worker.fork_server`), in milliseconds "
+        description="How the training processes start. `forkserver`: forked by one process, "
+        "itself a fork of the launcher made before the recipe is imported, that holds torch, "
+        "the launcher and the installed libraries the recipe imports (transformers' modules, "
+        "say), imported once (`launcher.worker.fork_server`): a worker starts in milliseconds "
         "instead of the seconds of CPU a new interpreter takes to import them, on every start "
-        "and restart; it never imports the recipe itself and touches no device. `spawn`: each "
-        "a new interpreter, as "
-        "torchrun starts them. `auto`: `forkserver` on Linux CPUs where workers may start "
-        "again (`max_restarts` above 0, or `fault_tolerance`'s replica groups), else `spawn` "
-        "(on TPUs torch_xla's runtime starts threads in the process that imports it; on GPUs "
-        "it is not yet measured). A server that finds CUDA initialised by an import says so "
-        "and the workers start as new interpreters.",
+        "and restart; the server never imports the recipe itself and touches no device. "
+        "`spawn`: each a new interpreter, as torchrun starts them. `auto`: `forkserver` on "
+        "Linux CPUs, else `spawn` (torch_xla starts the TPU processes itself; on GPUs it is "
+        "not yet measured). A server that finds CUDA initialised by an import says so and the "
+        "workers start as new interpreters.",
     )
     stall_timeout: float | None = Field(
         600.0,

@@ -20,9 +20,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.errors import RunError, UsageError
 from launcher.launch import rendezvous
+from launcher.launch.display.lines import format_ranks
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.watchdog import Stall, describe
-from launcher.ranks import format_ranks
 from launcher.rundir.disk import disk_bytes, megabytes
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.rundir.reading import read_json_or_none, read_log_tail

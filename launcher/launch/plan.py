@@ -25,6 +25,7 @@ from launcher.config.sources import changed_keys
 from launcher.config.spec import RunSpec
 from launcher.errors import UsageError
 from launcher.launch.devices import Devices, resolve_accelerator, resolve_devices, xla_device_type
+from launcher.launch.display.lines import parse_ranks
 from launcher.launch.interfaces import address_towards, is_loopback, socket_interface_env
 from launcher.launch.rendezvous import LOOPBACK
 from launcher.metrics.trackers import check_trackers_usable
@@ -32,7 +33,6 @@ from launcher.parallel import float8
 from launcher.parallel.dims import resolve_dims
 from launcher.parallel.registry import strategy_info, worker_env
 from launcher.plain_number import plain_number
-from launcher.ranks import parse_ranks
 from launcher.replicas.registry import coordinator_function
 from launcher.rundir.layout import RunLayout
 from launcher.rundir.worker_plan import ReplicaGroup, WorkerPlan

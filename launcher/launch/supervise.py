@@ -20,10 +20,10 @@ from launcher.launch import rendezvous
 from launcher.launch.agent import AgentThread
 from launcher.launch.closed_output import flush_standard_streams
 from launcher.launch.display import RunDisplay
+from launcher.launch.display.lines import format_ranks
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.watchdog import Stall, Watchdog
 from launcher.metrics.telemetry import read_beat
-from launcher.ranks import format_ranks
 from launcher.stop_signals import SIGTERM_REPEAT_WINDOW_S
 
 SIGNAL_EXIT = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}

@@ -27,12 +27,12 @@ from launcher.errors import UsageError
 from launcher.launch import rendezvous
 from launcher.launch.agent import AgentThread, agent_config
 from launcher.launch.display import RunDisplay
+from launcher.launch.display.lines import format_ranks
 from launcher.launch.interfaces import host_port, is_loopback
 from launcher.launch.plan import LaunchPlan
 from launcher.launch.supervise import AgentWatch, NodeView, Outcome
 from launcher.launch.supervise import supervise as supervise_agents
 from launcher.launch.watchdog import Stall, Watchdog
-from launcher.ranks import format_ranks
 from launcher.replicas import lighthouse
 from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout

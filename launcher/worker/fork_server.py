@@ -78,6 +78,7 @@ PRELOAD = (
     "launcher.checkpoint.writers",
     "launcher.metrics.telemetry",
     "launcher.metrics.tensorboard_events",
+    "psutil",  # this server's own, to end its descendants at once when the launcher ends
 )
 # The signals this server ignores, which its children take back: Ctrl-C at the terminal and
 # SLURM's SIGTERM to every process of the job are the workers' to handle; ending this server

@@ -1,6 +1,6 @@
 import pytest
 
-from launcher.ranks import format_ranks, parse_ranks
+from launcher.launch.display.lines import format_ranks, parse_ranks
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from launcher.launch.display.lines import rank_style
+from launcher.launch.display.lines import format_ranks, rank_style
 from launcher.metrics.flop_rate import flop_rate
 from launcher.metrics.record_fields import is_number
-from launcher.ranks import format_ranks
 from launcher.rundir.reading import parse_json_or_none
 
 FIELDS = (

@@ -69,7 +69,7 @@ test-other-torch:
 # compared with one ddp reference (tests/parallel/layouts.py) run in one session, to share it.
 DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/parallel/test_memory_estimate.py \
-	tests/worker/test_compile.py tests/metrics/test_trackers.py tests/clusters/test_kubernetes.py \
+	tests/worker/test_compile.py \
 	tests/replicas/test_fault_tolerance.py tests/replicas/test_fault_tolerance_exposure.py \
 	tests/replicas/test_semi_sync.py \
 	tests/launch/test_multinode.py \

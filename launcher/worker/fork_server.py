@@ -38,9 +38,10 @@ length, then a pickled tuple of module names); then each request is a pickled `R
 (sent as a plain tuple: the command, environment, working directory and umask) with four
 descriptors (stdin, stdout, stderr, and the child's own status socket). On the status
 socket the child says its pid once it leads a session of its own, then the server, once it
-has reaped it, says its exit code as `subprocess` gives it (negative: ended by that signal). EOF on the control socket (the launcher ended, however) ends the
-server, and with it everything its workers started: it is their subreaper (orphans come back
-to it, whatever session they moved to) and kills them all before it exits.
+has reaped it, says its exit code as `subprocess` gives it (negative: ended by that signal).
+EOF on the control socket (the launcher ended, however) ends the server, and with it
+everything its workers started: it is their subreaper (orphans come back to it, whatever
+session they moved to) and kills them all before it exits.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing import api as elastic_processes
 from launcher.errors import LauncherError
 from launcher.launch.agent import WORKER_MODULE
 from launcher.launch.plan import LaunchPlan, workers_forked
+from launcher.launch.reaper import forked_mark
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -190,6 +191,9 @@ class ForkServer:
         its own list (the recipe's)."""
         control, theirs = socket.socketpair()
         argv = [sys.executable, "-m", FORK_SERVER_MODULE, "--fd", str(theirs.fileno())]
+        # Its parent-death signal follows this thread: an agent's ends before the launcher.
+        if threading.current_thread() is threading.main_thread():
+            argv += ["--parent", str(os.getpid())]
         # In its own session: Ctrl-C at the terminal is for the launcher and the workers.
         # Nothing of its own reaches the terminal; its workers get the launcher's streams.
         process = subprocess.Popen(
@@ -212,9 +216,10 @@ class ForkServer:
         gh-112275): it starts with what this process imported (torch), and imports the rest
         while this one goes on. The recipe's libraries follow (`send_libraries`)."""
         control, theirs = socket.socketpair()
+        launcher = os.getpid()
         pid = os.fork()
         if pid == 0:  # the server's whole life; by name: the launcher imports no worker code
-            importlib.import_module(FORK_SERVER_MODULE).run_forked(theirs.fileno(), {})
+            importlib.import_module(FORK_SERVER_MODULE).run_forked(theirs.fileno(), launcher)
         theirs.close()
         return cls(control, ServerProcess(pid), ready_timeout_s)
 
@@ -249,7 +254,7 @@ class ForkServer:
         """A worker forked from the server: `python ARGV` with `env` and the standard
         streams `streams` (stdin, stdout, stderr), in this process's working directory."""
         mine, theirs = socket.socketpair()
-        request = pickle.dumps((argv, env, os.getcwd(), _umask()))
+        request = pickle.dumps((argv, env, os.getcwd(), _umask(), forked_mark(env)))
         with self._lock:
             socket.send_fds(self._control, [request], [*streams, theirs.fileno()])
         theirs.close()

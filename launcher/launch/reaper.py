@@ -4,7 +4,10 @@
 How: every process of the run carries a cookie in its environment, as Jenkins marks a build's
 processes (its ProcessTreeKiller). The launcher sets `LAUNCHER_RUN_COOKIE` before it starts
 anything; workers inherit it, and so does everything they start, in whatever process group or
-session it moves to. A reaper, a small process the launcher starts first, waits for the
+session it moves to. A worker forked by the fork server never started a program, so its
+environment, as /proc shows it, is still the one the launcher started with: it carries the
+cookie as the name of a page of memory it maps instead (`forked_mark`), which its own forks
+inherit, whatever session they move to and descriptors they close. A reaper, a small process the launcher starts first, waits for the
 launcher's end: EOF on a pipe that only the launcher holds open, which the kernel closes however
 the launcher ends, SIGKILL included. It then SIGKILLs every process with the cookie (SIGKILL: a
 recipe's child may ignore or block SIGTERM) until none is left, and exits. On every end it
@@ -16,8 +19,9 @@ Why not the alternatives:
   child that starts a session of its own leaves its worker's group anyway.
 - PR_SET_CHILD_SUBREAPER in the launcher: orphans come back to it, but only while it lives;
   once it is SIGKILLed they go to init.
-- PR_SET_PDEATHSIG: the workers already die with the launcher through it, but the kernel
-  clears it at fork: their children cannot get it without running code between fork and exec.
+- PR_SET_PDEATHSIG: the workers already die with the launcher through it (forked ones with
+  their fork server, which dies with the launcher), but the kernel clears it at fork: their
+  children cannot get it without running code between fork and exec.
 
 The reaper ignores SIGINT, SIGTERM and SIGHUP and runs in a session of its own: Ctrl-C at the
 terminal, SLURM's SIGTERM to every process of the job, or a SIGKILL to the launcher's process
@@ -107,9 +111,19 @@ def children_reaped() -> Iterator[None]:
         reap(cookie, spare={os.getpid()}, timeout_s=5.0)
 
 
+def forked_mark(env: dict[str, str]) -> str:
+    """The name of the mark a worker forked with environment `env` carries, "" for none: a
+    page of memory (`worker.fork_server`), which its own forks inherit, named as the cookie's
+    entry in an environment is."""
+    return f"{COOKIE}={env[COOKIE]}" if COOKIE in env else ""
+
+
 def marked(cookie: str, spare: set[int]) -> list[int]:
-    """Live processes whose environment holds the cookie; zombies have none left."""
+    """Live processes whose environment holds the cookie, or which carry the mark of a
+    forked worker (their environment in /proc is the launcher's at its start); zombies have
+    neither left."""
     entry = f"{COOKIE}={cookie}".encode()
+    mapping = b"/memfd:" + entry + b" "  # as /proc/PID/maps names it: "... (deleted)"
     found = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not name.isdigit() or int(name) in spare:
@@ -117,6 +131,10 @@ def marked(cookie: str, spare: set[int]) -> list[int]:
         try:
             with open(f"/proc/{name}/environ", "rb") as environ:
                 if entry in environ.read().split(b"\0"):
+                    found.append(int(name))
+                    continue
+            with open(f"/proc/{name}/maps", "rb") as maps:
+                if mapping in maps.read():
                     found.append(int(name))
         except OSError:  # gone, or not ours to read
             continue

@@ -39,9 +39,13 @@ length, then a pickled tuple of module names); then each request is a pickled `R
 descriptors (stdin, stdout, stderr, and the child's own status socket). On the status
 socket the child says its pid once it leads a session of its own, then the server, once it
 has reaped it, says its exit code as `subprocess` gives it (negative: ended by that signal).
-EOF on the control socket (the launcher ended, however) ends the server, and with it
-everything its workers started: it is their subreaper (orphans come back to it, whatever
-session they moved to) and kills them all before it exits.
+How it ends: with the launcher. The kernel SIGKILLs it as the launcher ends, however that
+ends (its parent-death signal), and its workers with it (theirs): at once, so that no worker
+goes on without the launcher, not even to finish a checkpoint. On an end the launcher
+controls, it first closes the control socket: EOF ends the server, which kills whatever its
+workers started that outlived them and came back to it, their subreaper (whatever session
+they moved to). What escapes both, the launcher's reaper ends: a worker's forks carry its
+mark (`Request.mark`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import mmap
 import os
 import pickle
 import runpy
@@ -102,7 +107,9 @@ _MALLOC_SETTINGS = {
     "MALLOC_ARENA_TEST": -7,
     "MALLOC_ARENA_MAX": -8,
 }
-_PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 15, 36
+_PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 15, 36
+# Held for a forked worker's life: the mapping that marks it and its forks as the run's.
+_mark: mmap.mmap | None = None
 
 
 def serve(control: socket.socket) -> None:
@@ -142,12 +149,14 @@ def _receive(control: socket.socket) -> tuple[tuple, list[int]] | None:
 
 class Request(NamedTuple):
     """A worker to start, as the launcher sends it: what `subprocess.Popen` would be given
-    (the command, environment and working directory) and what it would inherit (the umask)."""
+    (the command, environment and working directory) and what it would inherit (the umask);
+    and the name of the mark it carries (`launch.reaper.forked_mark`; "" for none)."""
 
     argv: list[str]
     env: dict[str, str]
     cwd: str
     umask: int
+    mark: str = ""
 
 
 def _fork(
@@ -262,6 +271,8 @@ def _leave_server(
 def _take(request: Request) -> str:
     """Becomes the process `request` describes, as an interpreter started so would be;
     returns the module to run."""
+    if request.mark:
+        _carry_mark(request.mark)
     os.chdir(request.cwd)
     os.umask(request.umask)
     os.environ.clear()
@@ -273,6 +284,20 @@ def _take(request: Request) -> str:
     if not sys.flags.safe_path:  # `python -m` puts its working directory first
         sys.path[0] = request.cwd
     return module
+
+
+def _carry_mark(name: str) -> None:
+    """Maps a page of memory named `name`, which every process forked from this one inherits
+    and keeps (whatever session it moves to, whatever descriptors it closes) until it runs
+    another program: how the launcher's reaper knows a fork as the run's, where its
+    environment, as /proc shows it, is still the launcher's at its start."""
+    global _mark
+    descriptor = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(descriptor, mmap.PAGESIZE)
+        _mark = mmap.mmap(descriptor, mmap.PAGESIZE)
+    finally:
+        os.close(descriptor)
 
 
 def _take_start_settings(env: dict[str, str]) -> None:
@@ -347,17 +372,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="launcher.worker.fork_server")
     parser.add_argument("--fd", type=int, required=True, help="the control socket")
     parser.add_argument("--run-dir", help="the run it serves (shown in `ps`)")
+    parser.add_argument("--parent", type=int, help="the launcher's pid, to die with it")
     args = parser.parse_args()
-    _run(socket.socket(fileno=args.fd))
+    _run(socket.socket(fileno=args.fd), args.parent)
 
 
-def run_forked(control_fd: int, added: dict[str, str]) -> None:
-    """The server forked from the launcher: the child's whole life, then os._exit. `added`:
-    variables added to the launcher's environment for the server and its workers."""
+def run_forked(control_fd: int, launcher_pid: int) -> None:
+    """The server forked from the launcher (`launcher_pid`, read before the fork): the
+    child's whole life, then os._exit."""
     try:
         _as_new_process(keep=control_fd)
-        os.environ.update(added)
-        _run(socket.socket(fileno=control_fd))
+        _run(socket.socket(fileno=control_fd), launcher_pid)
     finally:
         os._exit(0)
 
@@ -385,9 +410,14 @@ def _as_new_process(keep: int) -> None:
     gc.enable()
 
 
-def _run(control: socket.socket) -> None:
-    """Imports what the workers import, says whether it can fork them, and serves."""
-    if sys.platform == "linux":  # what its workers leave behind comes back to it
+def _run(control: socket.socket, parent: int | None) -> None:
+    """Imports what the workers import, says whether it can fork them, and serves. `parent`:
+    the launcher, whose end (SIGKILL included) the kernel makes this server's at once, and so
+    its workers' (their parent-death signal): EOF on the control socket would take this
+    server a moment to see, in which they could go on (finish a checkpoint, say)."""
+    if sys.platform == "linux":
+        _die_with(parent)
+        # What its workers leave behind comes back to it (on an end the launcher controls).
         ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _name_process(NAME)
     # The launcher reads the answer once the imports are done: a request sent earlier would
@@ -404,6 +434,17 @@ def _run(control: socket.socket) -> None:
         if not unsafe:
             serve(control)
     os._exit(0)  # its children end with it; no teardown of torch's modules
+
+
+def _die_with(parent: int | None) -> None:
+    """SIGKILL for this process as `parent` ends, from the kernel; an exit if it has ended.
+    The parent-death signal follows the thread that started this process: None where that
+    thread may end before the launcher does (an agent's)."""
+    if parent is None:
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the signal was set
+        os._exit(0)
 
 
 def _why_not_fork() -> str:

@@ -16,6 +16,7 @@ import pytest
 
 from launcher.rundir.layout import RunLayout
 from tests.conftest import (
+    FORK_SERVER_NAME,
     finish_train,
     start_train,
     training_processes,
@@ -27,8 +28,11 @@ from tests.tiny_recipes import write_recipe
 pytestmark = pytest.mark.timeout(300)
 
 # build_model starts two `sleep 1000`: one in the worker's process group, one in a session of
-# its own (as a daemon would), and writes their pids to sleep-RANK.pids. STOP_FILE: it also
-# asks for a stop; BUILD_SLEEP: it then takes that many seconds more. Hooks on the tiny recipe.
+# its own (as a daemon would); and forks a child that leaves for a session of its own and
+# closes every descriptor, as a daemonised `multiprocessing` child would (no program started:
+# its environment in /proc is its worker's at its start). It writes their pids to
+# sleep-RANK.pids. STOP_FILE: it also asks for a stop; BUILD_SLEEP: it then takes that many
+# seconds more. Hooks on the tiny recipe.
 HOOKS = """
 import os, subprocess, time
 
@@ -36,9 +40,15 @@ import os, subprocess, time
 def build_model():
     sleeps = [subprocess.Popen(["sleep", "1000"]),
               subprocess.Popen(["sleep", "1000"], start_new_session=True)]
+    forked = os.fork()
+    if forked == 0:
+        os.setsid()
+        os.closerange(0, 1 << 16)
+        time.sleep(1000)
+        os._exit(0)
     name = f"sleep-{os.environ['RANK']}.pids"
     with open(name + ".tmp", "w") as f:
-        f.write(" ".join(str(s.pid) for s in sleeps))
+        f.write(" ".join(str(pid) for pid in [*(s.pid for s in sleeps), forked]))
     os.replace(name + ".tmp", name)
     if os.environ.get("STOP_FILE"):
         open(os.environ["STOP_FILE"], "w").close()
@@ -121,6 +131,29 @@ def _launcher_killed(proc: subprocess.Popen[str], run_dir: Path) -> int:
     return -signal.SIGKILL
 
 
+def _launcher_killed_while_its_fork_server_is_stopped(
+    proc: subprocess.Popen[str], run_dir: Path
+) -> int:
+    """As `_launcher_killed`, with the workers' fork server stopped first, as a loaded machine
+    may leave it unscheduled: the kernel ends it and its workers with the launcher, at once,
+    not the server once it runs again and reads the end of its socket (by then a worker could
+    have finished a checkpoint without the launcher)."""
+    servers = [p for p in psutil.Process(proc.pid).children() if p.name() == FORK_SERVER_NAME]
+    assert servers, "the run's workers have no fork server"
+    workers = _workers(proc)
+    for server in servers:
+        server.suspend()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: a scheduler's kill
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert not _wait_gone(workers), "a worker outlived its launcher"
+    finally:
+        for server in servers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                server.kill()
+    return -signal.SIGKILL
+
+
 def _rank_killed(proc: subprocess.Popen[str], run_dir: Path) -> int:
     os.kill(wait_for_step(run_dir, 1, 1, proc), signal.SIGKILL)
     return 137
@@ -136,8 +169,14 @@ def _signal(sig: signal.Signals) -> Callable[[subprocess.Popen[str], Path], int]
 
 @pytest.mark.parametrize(
     "end",
-    [_signal(signal.SIGINT), _signal(signal.SIGTERM), _rank_killed, _launcher_killed],
-    ids=["ctrl-c", "sigterm", "rank-sigkilled", "launcher-sigkilled"],
+    [
+        _signal(signal.SIGINT),
+        _signal(signal.SIGTERM),
+        _rank_killed,
+        _launcher_killed,
+        _launcher_killed_while_its_fork_server_is_stopped,
+    ],
+    ids=["ctrl-c", "sigterm", "rank-sigkilled", "launcher-sigkilled", "server-stopped"],
 )
 def test_nothing_a_recipe_starts_outlives_the_run(
     tmp_path: Path, end: Callable[[subprocess.Popen[str], Path], int]
@@ -146,7 +185,8 @@ def test_nothing_a_recipe_starts_outlives_the_run(
     try:
         sleeps = _sleeps(tmp_path, proc)
         wait_for_step(tmp_path / "run", 0, 1, proc)
-        blocked = [p.pid for p in sleeps if _sigterm_blocked(p)]
+        programs = [p for p in sleeps if p.name() == "sleep"]  # not the forked child
+        blocked = [p.pid for p in programs if _sigterm_blocked(p)]
         code = end(proc, tmp_path / "run")
     finally:
         result = finish_train(proc, tmp_path)

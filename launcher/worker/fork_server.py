@@ -292,12 +292,14 @@ def _carry_mark(name: str) -> None:
     another program: how the launcher's reaper knows a fork as the run's, where its
     environment, as /proc shows it, is still the launcher's at its start."""
     global _mark
-    descriptor = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
+    try:  # where the kernel refuses (a sandbox), the server's end still ends them, unless killed
+        descriptor = os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
         os.ftruncate(descriptor, mmap.PAGESIZE)
         _mark = mmap.mmap(descriptor, mmap.PAGESIZE)
-    finally:
-        os.close(descriptor)
+    os.close(descriptor)
 
 
 def _take_start_settings(env: dict[str, str]) -> None:

@@ -411,6 +411,8 @@ def test_a_store_that_never_answers_holds_the_listing_up_for_seconds(tmp_path: P
         table = cli("runs", "--output-dir", str(out), env=_fake_credentials(endpoint))
         took = time.monotonic() - started
     assert table.returncode == 0, table.stdout + table.stderr
-    assert took < STORE_WAIT_S + 10, took  # the wait, and the start of a Python process
+    # The wait and a Python process's start, with room for a loaded machine; without the
+    # wait, the client's own read timeout alone is a minute.
+    assert took < STORE_WAIT_S + 35, took
     said = f"? checkpoints in s3://bucket/a (and 2 more) could not be listed: no answer within {STORE_WAIT_S:g} s"
     assert said in table.stdout, table.stdout

@@ -349,7 +349,9 @@ def test_a_hang_after_fast_steps_is_caught_in_one_stall_timeout(
     assert "rank 1: no progress" in output and f"after step {hang_at - 1}" in output, output
     hung_at = (tmp_path / "sleeping").stat().st_mtime
     print(f"caught and stopped {ended - hung_at:.1f} s after the hang")
-    assert ended - hung_at < 1.2 * timeout + 1.5, ended - hung_at  # + stopping the ranks
+    # One stall timeout and the ranks' stop, with room for a loaded machine; the failure it
+    # guards takes three (18 s).
+    assert ended - hung_at < 2 * timeout, ended - hung_at
 
 
 # The tiny recipe's model and loss on a dataset with one sample that cannot be read.

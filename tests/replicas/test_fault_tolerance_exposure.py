@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -56,6 +57,27 @@ def _managers(lighthouse: str) -> list[str]:
         return re.findall(r"Manager: (http://\S+?) <br", page.read().decode())
 
 
+def _served_states(lighthouse: str, manager_client: Any) -> list[str]:
+    """Where each group's Manager says its state is served, as it tells anyone who asks. A
+    group that a loaded machine made miss a heartbeat restarts with a new Manager, and the
+    Lighthouse lists the old one until it times out: the list is read again then."""
+    deadline = time.monotonic() + 90
+    while True:
+        managers = _managers(lighthouse)
+        try:
+            assert len(managers) == 2, managers
+            return [
+                manager_client(manager, connect_timeout=timedelta(seconds=10))._checkpoint_metadata(
+                    0, timeout=timedelta(seconds=10)
+                )
+                for manager in managers
+            ]
+        except (AssertionError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alone(
     tmp_path: Path,
 ) -> None:
@@ -73,12 +95,7 @@ def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alon
         workers = training_processes(proc.pid)
         groups = sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
         assert groups == ["0", "1"], groups
-        managers = _managers(_lighthouse(proc.pid))
-        assert len(managers) == 2, managers
-        for manager in managers:
-            client = ManagerClient(manager, connect_timeout=timedelta(seconds=10))
-            # What the Manager tells anyone who asks: where its group's state is served.
-            served = client._checkpoint_metadata(0, timeout=timedelta(seconds=10))
+        for served in _served_states(_lighthouse(proc.pid), ManagerClient):
             assert served.startswith("http://127.0.0.1:"), served
             for headers in ({}, {"X-Launcher-Run-Token": "guess"}):
                 asked = time.monotonic()

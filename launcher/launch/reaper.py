@@ -7,10 +7,11 @@ anything; workers inherit it, and so does everything they start, in whatever pro
 session it moves to. A worker forked by the fork server never started a program, so its
 environment, as /proc shows it, is still the one the launcher started with: it carries the
 cookie as the name of a page of memory it maps instead (`forked_mark`), which its own forks
-inherit, whatever session they move to and descriptors they close. A reaper, a small process the launcher starts first, waits for the
-launcher's end: EOF on a pipe that only the launcher holds open, which the kernel closes however
-the launcher ends, SIGKILL included. It then SIGKILLs every process with the cookie (SIGKILL: a
-recipe's child may ignore or block SIGTERM) until none is left, and exits. On every end it
+inherit, whatever session they move to and descriptors they close. A reaper, a small process
+the launcher starts first, waits for the launcher's end: EOF on a pipe that only the launcher
+holds open, which the kernel closes however the launcher ends, SIGKILL included. It then
+SIGKILLs every process with the cookie (SIGKILL: a recipe's child may ignore or block SIGTERM)
+until none is left, and exits. On every end it
 controls, the launcher waits for the reaper, so `train` returns once nothing of the run remains.
 
 Why not the alternatives:

@@ -35,7 +35,8 @@ fork (the launcher then starts the workers as new interpreters).
 
 The protocol, on a Unix socket from the launcher: first the recipe's libraries (a
 length, then a pickled tuple of module names); then each request is a pickled `Request`
-(sent as a plain tuple: the command, environment, working directory and umask) with four
+(sent as a plain tuple: the command, environment, working directory, umask and the reaper's
+mark) with four
 descriptors (stdin, stdout, stderr, and the child's own status socket). On the status
 socket the child says its pid once it leads a session of its own, then the server, once it
 has reaped it, says its exit code as `subprocess` gives it (negative: ended by that signal).
@@ -107,7 +108,7 @@ _MALLOC_SETTINGS = {
     "MALLOC_ARENA_TEST": -7,
     "MALLOC_ARENA_MAX": -8,
 }
-_PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 15, 36
+_PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 15, 36
 # Held for a forked worker's life: the mapping that marks it and its forks as the run's.
 _mark: mmap.mmap | None = None
 
@@ -417,8 +418,11 @@ def _run(control: socket.socket, parent: int | None) -> None:
     the launcher, whose end (SIGKILL included) the kernel makes this server's at once, and so
     its workers' (their parent-death signal): EOF on the control socket would take this
     server a moment to see, in which they could go on (finish a checkpoint, say)."""
+    if parent is not None:  # else its parent-death signal would follow an agent's thread
+        from launcher.worker.main import die_with_parent
+
+        die_with_parent(parent, code=0)
     if sys.platform == "linux":
-        _die_with(parent)
         # What its workers leave behind comes back to it (on an end the launcher controls).
         ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _name_process(NAME)
@@ -436,17 +440,6 @@ def _run(control: socket.socket, parent: int | None) -> None:
         if not unsafe:
             serve(control)
     os._exit(0)  # its children end with it; no teardown of torch's modules
-
-
-def _die_with(parent: int | None) -> None:
-    """SIGKILL for this process as `parent` ends, from the kernel; an exit if it has ended.
-    The parent-death signal follows the thread that started this process: None where that
-    thread may end before the launcher does (an agent's)."""
-    if parent is None:
-        return
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it ended before the signal was set
-        os._exit(0)
 
 
 def _why_not_fork() -> str:

@@ -54,9 +54,11 @@ def _parse(argv: list[str] | None) -> tuple[WorkerPlan, int]:
     return plan, plan.launcher_pid or os.getppid()
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None, code: int = 1) -> None:
     """The agent starts workers in sessions of their own; if it is killed (even by SIGKILL),
-    the kernel kills this worker too instead of leaving it training on its own."""
+    the kernel kills this worker too instead of leaving it training on its own. `parent`:
+    the pid the parent had, read before the fork (None: any but init's); a process whose
+    parent ended before the signal was set exits with `code`."""
     if sys.platform != "linux":
         return
     import ctypes
@@ -64,8 +66,8 @@ def die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+    if os.getppid() == 1 if parent is None else os.getppid() != parent:
+        os._exit(code)
 
 
 def dump_stacks_on_request() -> None:

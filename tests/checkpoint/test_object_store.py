@@ -240,8 +240,13 @@ def _node(spec: Path, rank: int, port: int, folder: Path, *extra: str) -> list[s
 def _two_nodes(spec: Path, s3: S3Server, *extra: str) -> Path:
     """Two nodes on loopback, each with a run folder of its own; node 0's run folder."""
     port, cwd = free_port(), spec.parent
+    # One OpenMP thread per worker. Each node's launcher gives its workers every core, and
+    # the GPT's float32 losses move by a rounding step with the size of the team that ran
+    # its kernels (1 or 2 threads: steps 5 and 6 of 8). CI once saw the losses of two runs
+    # of one spec a step apart, before any resume; one thread leaves no team to differ.
+    env = {**s3.env, "OMP_NUM_THREADS": "1"}
     procs = [
-        start_train(_node(spec, rank, port, cwd / f"node{rank}", *extra), cwd, env=s3.env)
+        start_train(_node(spec, rank, port, cwd / f"node{rank}", *extra), cwd, env=env)
         for rank in (1, 0)  # node 1 first: it waits for node 0, which hosts the rendezvous
     ]
     # Both nodes' processes carry the folder in their command lines: look for leftovers only

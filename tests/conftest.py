@@ -53,12 +53,17 @@ def run_train(
 
 
 def start_train(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, **popen: object
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    wrapper: tuple[str, ...] = (),
+    **popen: object,
 ) -> subprocess.Popen[str]:
-    """`train ARGS` started and left running (finish it with finish_train)."""
+    """`train ARGS` started and left running (finish it with finish_train); `wrapper`: the
+    command that starts it (`("nohup",)`)."""
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     return subprocess.Popen(  # type: ignore[call-overload]
-        [str(TRAIN), *args],
+        [*wrapper, str(TRAIN), *args],
         cwd=cwd,
         text=True,
         env={**os.environ, "COLUMNS": "200", **(env or {})},

@@ -254,7 +254,9 @@ class ForkServer:
         """A worker forked from the server: `python ARGV` with `env` and the standard
         streams `streams` (stdin, stdout, stderr), in this process's working directory."""
         mine, theirs = socket.socketpair()
-        request = pickle.dumps((argv, env, os.getcwd(), _umask(), forked_mark(env)))
+        request = pickle.dumps(
+            (argv, env, os.getcwd(), _umask(), forked_mark(env), _ignored_signals())
+        )
         with self._lock:
             socket.send_fds(self._control, [request], [*streams, theirs.fileno()])
         theirs.close()
@@ -275,6 +277,13 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def _ignored_signals() -> tuple[int, ...]:
+    """The signals of the server's `IGNORED` this process ignores now (`Request.ignored`)."""
+    from launcher.worker.fork_server import IGNORED
+
+    return tuple(int(sig) for sig in IGNORED if signal.getsignal(sig) == signal.SIG_IGN)
 
 
 def _umask() -> int:

@@ -115,7 +115,6 @@ _mark: mmap.mmap | None = None
 
 def serve(control: socket.socket) -> None:
     """Forks a worker per request until the launcher closes the control socket."""
-    defaults = {sig: signal.getsignal(sig) for sig in IGNORED}
     for sig in IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     wake_r, wake_w = os.pipe()
@@ -134,7 +133,7 @@ def serve(control: socket.socket) -> None:
                 if request is None:
                     _end_descendants()
                     return
-                _fork(request, children, defaults, ours)
+                _fork(request, children, ours)
             else:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
@@ -150,20 +149,22 @@ def _receive(control: socket.socket) -> tuple[tuple, list[int]] | None:
 
 class Request(NamedTuple):
     """A worker to start, as the launcher sends it: what `subprocess.Popen` would be given
-    (the command, environment and working directory) and what it would inherit (the umask);
-    and the name of the mark it carries (`launch.reaper.forked_mark`; "" for none)."""
+    (the command, environment and working directory) and what it would inherit (the umask,
+    and of `IGNORED` the signals the launcher ignores: an exec keeps them ignored and sets
+    the others, which the launcher handles, back to their defaults); and the name of the
+    mark it carries (`launch.reaper.forked_mark`; "" for none)."""
 
     argv: list[str]
     env: dict[str, str]
     cwd: str
     umask: int
     mark: str = ""
+    ignored: tuple[int, ...] = ()
 
 
 def _fork(
     request: tuple[tuple, list[int]],
     children: dict[int, socket.socket],
-    defaults: dict[int, object],
     inherited: tuple,
 ) -> None:
     message, fds = request
@@ -175,7 +176,7 @@ def _fork(
     if pid == 0:
         for sock in children.values():
             sock.close()
-        _become_worker(Request(*message), fds[:3], defaults, (*inherited, status), mask)
+        _become_worker(Request(*message), fds[:3], (*inherited, status), mask)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for fd in fds[:3]:
         os.close(fd)
@@ -218,14 +219,13 @@ def _end_descendants() -> None:
 def _become_worker(
     request: Request,
     streams: list[int],
-    defaults: dict[int, object],
     inherited: tuple,
     mask: set[signal.Signals],
 ) -> None:
     """The child's whole life: what `python ARGV` would have been, then os._exit."""
     code = 1
     try:
-        _leave_server(streams, defaults, inherited, mask)
+        _leave_server(streams, request.ignored, inherited, mask)
         module = _take(request)
         # Run afresh as `__main__`, as `python -m` runs it, not as the module preloaded.
         sys.modules.pop(module, None)
@@ -245,15 +245,19 @@ def _become_worker(
 
 
 def _leave_server(
-    streams: list[int], defaults: dict[int, object], inherited: tuple, mask: set[signal.Signals]
+    streams: list[int], ignored: tuple[int, ...], inherited: tuple, mask: set[signal.Signals]
 ) -> None:
     """A session of its own, the signals a worker takes, the server's descriptors closed and
     the standard streams it was sent; its pid said to the launcher."""
     os.setsid()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for sig, handler in defaults.items():
-        signal.signal(sig, handler)  # type: ignore[arg-type]
+    # As an exec from the launcher leaves them (whatever this server inherited as it was
+    # forked: `nohup` ignores SIGHUP), then as Python sets SIGINT as it starts.
+    for sig in IGNORED:
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     control, selector, wake_r, wake_w, status = inherited
     # The pid, from the child once it leads its session and takes signals as a worker

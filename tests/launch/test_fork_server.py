@@ -139,7 +139,10 @@ def test_a_forked_worker_sees_what_a_new_interpreter_sees(tmp_path: Path) -> Non
     on sys.path, its command line,
     Python's own signal handlers (not the launcher's), the launcher's thread count for
     OpenMP (`OMP_NUM_THREADS`, read by a new interpreter as it starts), the same warning
-    filters and log levels (the launcher quiets the elastic agent's, for itself alone)."""
+    filters and log levels (the launcher quiets the elastic agent's, for itself alone).
+    Under `nohup`, whose SIGHUP the server inherited ignored as it was forked and the
+    launcher handles by the time a worker starts, as an exec would (SIG_DFL): it was kept
+    ignored before."""
     write_recipe(tmp_path, hooks=_REPORTS_ITS_INTERPRETER)
     spec = write_spec(
         tmp_path / "run.yaml",
@@ -151,7 +154,7 @@ def test_a_forked_worker_sees_what_a_new_interpreter_sees(tmp_path: Path) -> Non
     for start in ("forkserver", "spawn"):
         args = ["--config", str(spec), "--run-dir", str(tmp_path / start)]
         args.append(f"launch.worker_start={start}")
-        proc = start_train(args, tmp_path, {"START": start})
+        proc = start_train(args, tmp_path, {"START": start}, wrapper=("nohup",))
         result = finish_train(proc, tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):

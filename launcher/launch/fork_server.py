@@ -41,6 +41,7 @@ from launcher.errors import LauncherError
 from launcher.launch.agent import WORKER_MODULE
 from launcher.launch.plan import LaunchPlan, workers_forked
 from launcher.launch.reaper import forked_mark
+from launcher.stop_signals import JOB_SIGNALS
 
 if TYPE_CHECKING:
     from launcher.config.spec import RunSpec
@@ -280,10 +281,8 @@ class ForkServer:
 
 
 def _ignored_signals() -> tuple[int, ...]:
-    """The signals of the server's `IGNORED` this process ignores now (`Request.ignored`)."""
-    from launcher.worker.fork_server import IGNORED
-
-    return tuple(int(sig) for sig in IGNORED if signal.getsignal(sig) == signal.SIG_IGN)
+    """The job's signals this process ignores now (`Request.ignored`)."""
+    return tuple(int(sig) for sig in JOB_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN)
 
 
 def _umask() -> int:

@@ -68,6 +68,8 @@ import sys
 import warnings
 from typing import NamedTuple
 
+from launcher.stop_signals import JOB_SIGNALS
+
 # What every worker imports on its way to training (torch first). A module that fails to
 # import (renamed, or an optional dependency missing) is left to the worker, which reports it.
 PRELOAD = (
@@ -90,7 +92,7 @@ PRELOAD = (
 # The signals this server ignores, which its children take back: Ctrl-C at the terminal and
 # SLURM's SIGTERM to every process of the job are the workers' to handle; ending this server
 # would end them all at once (SIGKILL, their parent-death signal) before they could save.
-IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+IGNORED = JOB_SIGNALS
 # A status message: what it says (STARTED: the value is the child's pid; EXITED: its exit
 # code), and the value.
 STATUS = struct.Struct("=cq")

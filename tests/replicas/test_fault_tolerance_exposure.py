@@ -91,9 +91,15 @@ def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alon
         # and gloo: none of them on another interface (0.0.0.0, [::], the machine's address).
         assert len(listening) >= 8, listening
         assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in listening), listening
-        # Tools read a worker's group where they read its environment: from its start.
-        workers = training_processes(proc.pid)
-        groups = sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
+        # Tools read a worker's group where they read its environment: from its start. (A
+        # group that a loaded machine made miss a heartbeat is away while it restarts.)
+        deadline = time.monotonic() + 90
+        while True:
+            workers = training_processes(proc.pid)
+            groups = sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
+            if groups == ["0", "1"] or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         assert groups == ["0", "1"], groups
         for served in _served_states(_lighthouse(proc.pid), ManagerClient):
             assert served.startswith("http://127.0.0.1:"), served

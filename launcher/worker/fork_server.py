@@ -35,8 +35,8 @@ fork (the launcher then starts the workers as new interpreters).
 
 The protocol, on a Unix socket from the launcher: first the recipe's libraries (a
 length, then a pickled tuple of module names); then each request is a pickled `Request`
-(sent as a plain tuple: the command, environment, working directory, umask and the reaper's
-mark) with four
+(sent as a plain tuple: the command, environment, working directory, umask, the reaper's
+mark and the job's signals the launcher ignores) with four
 descriptors (stdin, stdout, stderr, and the child's own status socket). On the status
 socket the child says its pid once it leads a session of its own, then the server, once it
 has reaped it, says its exit code as `subprocess` gives it (negative: ended by that signal).

@@ -110,6 +110,7 @@ bench: env
 	$(VENV)/bin/python bench/failure_memory.py
 	$(VENV)/bin/python bench/bounded_reads.py
 	$(VENV)/bin/python bench/ema_cost.py
+	$(VENV)/bin/python bench/straggler_cost.py
 	$(VENV)/bin/python bench/runs_scale.py
 	$(VENV)/bin/python bench/trackers_cost.py
 	$(VENV)/bin/python bench/checksum_cost.py --store

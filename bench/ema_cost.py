@@ -19,48 +19,18 @@ import shlex
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-import yaml
-
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "bench/gpt_bench.yaml"
-
-
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+from gpt_step import CONFIG, REPO, gpt_step, median_ms, write_result
 
 
 def in_process(repeats: int = 40) -> dict[str, float]:
     from launcher.worker.ema import WeightAverage
-    from launcher.worker.recipe import load_recipe
 
-    torch.set_num_threads(1)
-    spec = yaml.safe_load(CONFIG.read_text())
-    recipe = load_recipe(str(REPO / "recipes/gpt.py"))
-    model = recipe.build_model(**spec["recipe"]["model"])
-    data = recipe.build_dataset("train", **{**spec["recipe"]["dataset"], "max_bytes": 200_000})
-    batch = torch.utils.data.default_collate([data[i] for i in range(spec["data"]["batch_size"])])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, step = gpt_step()
     average = WeightAverage(model, decay=0.999)
-
-    def step() -> None:
-        loss, _ = recipe.loss(model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(5):  # warm-up: allocator, optimizer state
-        step()
-        average.update()
-    step_ms, update_ms = _median_ms(step, repeats), _median_ms(average.update, repeats)
+    average.update()  # warm-up
+    step_ms, update_ms = median_ms(step, repeats), median_ms(average.update, repeats)
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "step_ms": step_ms, "ema_update_ms": update_ms,
             "ratio": update_ms / step_ms}  # fmt: skip
@@ -104,10 +74,7 @@ def main() -> None:
     print(json.dumps(results["in_process"]))
     if not args.in_process_only:
         results["whole_runs"] = whole_runs(args.train, args.pairs, args.steps)
-    out = REPO / "bench/results/ema_cost.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    write_result("ema_cost.json", results)
 
 
 if __name__ == "__main__":

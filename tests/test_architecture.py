@@ -442,6 +442,7 @@ def test_test_modules_train_the_shared_tiny_recipe() -> None:
         "worker/test_param_groups.py": ("build_model", "frozen, decayed and norm parameters"),
         "worker/test_rank_randomness.py": ("loss", "a loss that records random draws"),
         "worker/test_stream_resume.py": ("build_dataset", "a stream with a shuffle buffer"),
+        "worker/test_stragglers.py": (every, "a rank slow at its compute or its loader"),
         "worker/test_streaming.py": ("build_dataset loss", "streams; a loss that records ids"),
         "worker/test_train_e2e.py": (every, "a recipe outside the repo, importing a sibling"),
     }

@@ -21,6 +21,7 @@ from launcher.config.log import LogSection
 from launcher.config.optim import OptimSection
 from launcher.config.parallel import ParallelSection
 from launcher.config.section import PositiveInt, Section
+from launcher.config.straggler import StragglerSection
 from launcher.config.training import EMASection, Precision, ProfileSection, TrainSection
 from launcher.storage_url import (
     is_url,
@@ -113,6 +114,11 @@ class LaunchSection(Section):
         description="Seconds without progress (no step finished) after which a rank counts as "
         "hung: the launcher shows the stalled ranks' Python stacks and stops the run. "
         "`null` turns the watchdog off.",
+    )
+    straggler: StragglerSection = Field(
+        default_factory=StragglerSection,
+        description="Naming a rank that is slower than the others: it sets the whole job's "
+        "pace (docs/resume-and-faults.md).",
     )
 
 
@@ -378,8 +384,19 @@ class RunSpec(Section):
         return self
 
     def _fault_tolerance_fits(self) -> None:
+        action = self.launch.straggler.action
+        if action == "restart" and not self.fault_tolerance.enabled:
+            raise ValueError(
+                "launch.straggler.action: restart needs fault_tolerance (a replica group "
+                "restarts and heals from another); without it use stop or warn"
+            )
         if not self.fault_tolerance.enabled:
             return
+        if action == "stop":
+            raise ValueError(
+                "launch.straggler.action: stop ends replica groups, which fault_tolerance "
+                "restarts; use restart (the straggler's group restarts and heals) or warn"
+            )
         if self.launch.strategy not in ("ddp", "fsdp"):
             raise ValueError(
                 f"fault_tolerance: not for launch.strategy {self.launch.strategy}; torchft's "
@@ -407,5 +424,6 @@ __all__ = [
     "Precision",
     "ProfileSection",
     "RunSpec",
+    "StragglerSection",
     "TrainSection",
 ]

@@ -58,6 +58,23 @@ class ReplicaEngine(ABC):
         """This process's rank in the run's logs and heartbeats: the strategy's rank, which
         each group counts from 0, counted across the groups."""
 
+    def run_rank(self, rank: int) -> int:
+        """The run's rank (`log_rank`'s numbering) of this group's process of rank `rank`."""
+        return rank
+
+    @property
+    def paces_together(self) -> bool:
+        """Whether the groups wait for each other at every step (an average every step), so
+        that a slow rank of one group sets every group's pace: the straggler watch then
+        compares the ranks of the whole run (`figures_across_groups`), not a group's own."""
+        return False
+
+    def figures_across_groups(self, rows: list[list[float]]) -> dict[int, list[float]]:
+        """Collective across the groups where `paces_together`: `rows`, each of this group's
+        ranks' figures (the same on each of its processes), with every other group's of the
+        step's quorum; by the run's rank."""
+        return {self.run_rank(rank): row for rank, row in enumerate(rows)}
+
     @property
     @abstractmethod
     def writes_records(self) -> bool:

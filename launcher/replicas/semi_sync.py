@@ -33,6 +33,7 @@ from launcher.metrics.memory import size_text
 from launcher.parallel.base import Strategy, local_shard
 from launcher.parallel.rng import rank_seed
 from launcher.parallel.wrapper_names import named_parameters
+from launcher.replicas.engine import ReplicaEngine
 from launcher.replicas.fragments import fragments_of
 from launcher.replicas.outer_state import OuterState
 from launcher.replicas.torchft_engine import TorchftEngine, digest, first_words
@@ -81,6 +82,13 @@ class SemiSyncEngine(TorchftEngine):
 
     def mean_across_groups(self, values: torch.Tensor) -> torch.Tensor:
         return values  # no exchange between syncs: the group's own figures
+
+    @property
+    def paces_together(self) -> bool:
+        return False  # the groups meet at syncs only: a slow group waits for no other between
+
+    def figures_across_groups(self, rows: list[list[float]]) -> dict[int, list[float]]:
+        return ReplicaEngine.figures_across_groups(self, rows)  # the group's own alone
 
     def commit_step(self) -> bool:
         self.steps_taken += 1

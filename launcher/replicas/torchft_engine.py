@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 from torchft import Manager
 
 from launcher.checkpoint.state import LoopState, ModelState
@@ -88,7 +89,30 @@ class TorchftEngine(ReplicaEngine):
 
     @property
     def log_rank(self) -> int:
-        return self.group.global_rank(self.strategy.rank)
+        return self.run_rank(self.strategy.rank)
+
+    def run_rank(self, rank: int) -> int:
+        return self.group.global_rank(rank)
+
+    @property
+    def paces_together(self) -> bool:
+        return True  # the gradients' average, every step
+
+    def figures_across_groups(self, rows: list[list[float]]) -> dict[int, list[float]]:
+        """One sum across the groups of a table with a row per rank of the run (group g's
+        rank r at g * size + r, as `ReplicaGroup.ranks` numbers them): each group fills its
+        own, behind a 1 that says the row is there. A group outside the quorum (lost, or
+        healing: torchft zeroes what it sends) leaves its rows out."""
+        width = len(rows[0]) if rows else 0
+        table = torch.zeros(self.group.count, self.group.size, width + 1, dtype=torch.float64)
+        table[self.group.index, :, 0] = 1.0
+        table[self.group.index, :, 1:] = torch.tensor(rows, dtype=torch.float64)
+        table = table.to(self.strategy.device)
+        self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored():  # a group lost inside it: this group's own figures
+            return super().figures_across_groups(rows)
+        ranks = table.reshape(-1, width + 1).tolist()
+        return {rank: row[1:] for rank, row in enumerate(ranks) if row[0] > 0.5}
 
     @property
     def writes_records(self) -> bool:

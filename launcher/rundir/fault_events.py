@@ -50,6 +50,15 @@ def read(events: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda event: event.get("time", 0))
 
 
+def read_file(path: Path) -> list[dict[str, Any]]:
+    """The events of one file (`RunLayout.stragglers`), oldest first; none where it is absent
+    (a torn last line left out)."""
+    try:
+        return _parsed(path.read_text().splitlines())
+    except OSError:
+        return []
+
+
 def kept(events: Path) -> bool:
     """Whether the run keeps fault-tolerance events in the folder `events` (a run with replica
     groups), also before any is recorded."""

@@ -23,6 +23,7 @@ This module is the one owner of the layout; no other module joins run-folder pat
       outcome.json               how the run ended: status, exit code, when (the launcher)
       fault-tolerance/           the replica groups' losses and heals (fault_tolerance): each
                                  launcher's launcher-N.jsonl, each process's rank-N.jsonl
+      stragglers.jsonl           rank 0's record of the slow ranks it named, and their recoveries
       .outcome.reserve           room for outcome.json, held while the run runs
       checkpoints/step-NNNNNNNN/ published checkpoints; .step-N.partial while one is written
       checkpoint-store.json      where checkpoints go instead when checkpoint.dir names a store
@@ -167,6 +168,11 @@ class RunLayout:
         """The replica groups' losses and heals (`launcher.rundir.fault_events`): a folder of
         files, each written by one process (`launcher_events`, `rank_events`)."""
         return self.root / "fault-tolerance"
+
+    @property
+    def stragglers(self) -> Path:
+        """The ranks named slow, and their recoveries (`launcher.worker.stragglers`)."""
+        return self.root / "stragglers.jsonl"
 
     @staticmethod
     def launcher_events(events: Path, node: int) -> Path:

@@ -70,6 +70,8 @@ class RunRow:
     # fault_tolerance.sync of a finished semi-synchronous run (summary.json): its method,
     # `every`, syncs, and the bytes between groups it saved against per-step syncing
     sync: dict[str, Any] | None = None
+    # launch.straggler: the ranks named slow so far, "rank N (part)"; the recovered too
+    stragglers: list[str] | None = None
 
 
 def is_run(path: Path) -> bool:
@@ -177,7 +179,15 @@ def _describe(run_dir: Path, now: float | None, stores: dict[Path, StoreAnswer] 
         duration_s=round(end - started, 3) if end is not None and started is not None else None,
         groups_lost=_groups_lost(layout),
         sync=_sync(layout),
+        stragglers=_stragglers(layout),
     )
+
+
+def _stragglers(layout: RunLayout) -> list[str] | None:
+    """The ranks `launch.straggler` named slow (`stragglers.jsonl`), once each; None: none."""
+    found = fault_events.read_file(layout.stragglers)
+    named = [f"rank {e['rank']} ({e['part']})" for e in found if e.get("event") == "found"]
+    return list(dict.fromkeys(named)) or None
 
 
 def _groups_lost(layout: RunLayout) -> int | None:

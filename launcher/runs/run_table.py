@@ -48,6 +48,8 @@ def runs_table(rows: list[RunRow]) -> Table:
         columns["faults"] = [_number(row.groups_lost) for row in rows]
     if any(row.sync for row in rows):  # fault_tolerance.sync: LocalSGD, DiLoCo
         columns["sync"] = [_sync(row.sync) for row in rows]
+    if any(row.stragglers for row in rows):  # launch.straggler named a slow rank
+        columns["stragglers"] = [", ".join(row.stragglers or []) for row in rows]
     # One line a run, whatever the width: a narrow terminal cuts the names, folders, times and
     # evaluations short (…), and keeps the status and the numbers whole.
     table = Table(box=None, header_style="bold", pad_edge=False)

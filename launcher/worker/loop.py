@@ -42,6 +42,7 @@ from launcher.worker.recipe import Recipe
 from launcher.worker.reporting import Reporter
 from launcher.worker.resume import restart_note, restore
 from launcher.worker.state import Progress, TrainState
+from launcher.worker.stragglers import Slowness, StragglerWatch, by_rank, watch_pace
 
 
 class Trainer:
@@ -98,6 +99,10 @@ class Trainer:
         )
         model_state = self._build_checkpointer(run_dir)
         strategy.engine.share_state(model_state, self.state, self._reload)
+        self.pace, self.stragglers = watch_pace(
+            spec.launch.straggler, strategy, self.model, self.layout, self._say
+        )
+        self.loss_of = self.pace.marking(self.loss_of)
 
     def _build_checkpointer(self, run_dir: Path) -> ModelState:
         """The checkpointer, of every state a checkpoint holds; returns the model's part."""
@@ -334,6 +339,7 @@ class Trainer:
 
     def _finish(self) -> None:
         self.profiler.close()
+        self.pace.close()
         self.checkpointer.close()
         self.strategy.drain()
         self.memory.update(
@@ -344,7 +350,11 @@ class Trainer:
         self.report.finish(
             self.progress.step,
             self.memory,
-            {**self.strategy.summary(), **self.strategy.engine.summary()},
+            {
+                **self.strategy.summary(),
+                **self.strategy.engine.summary(),
+                **(self.stragglers.summary() if self.stragglers else {}),
+            },
             best=self.checkpointer.store.best() if self.state.best else None,
             skipped=self.state.nonfinite.skipped,
             # Another replica group's saves may land after this line: it names none.
@@ -360,14 +370,17 @@ class Trainer:
         total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
         samples = 0
+        self.pace.step_started()
         for i in range(accum):
-            batch = next(batches)
+            with self.pace.fetching():
+                batch = next(batches)
             samples += batch_size(batch)
-            sync = i == accum - 1
-            with self.strategy.sync_gradients(self.model, sync), self.speed.counting(batch):
+            last = i == accum - 1
+            with self.strategy.sync_gradients(self.model, last), self.speed.counting(batch):
                 loss, metrics = self.strategy.steps.forward_backward(
                     self.model, batch, self.loss_of, accum
                 )
+            self.pace.backward_returned()
             # Accumulate on the device: reading a value here would stall the pipeline.
             loss = loss.detach().float()
             total_loss = loss if total_loss is None else total_loss + loss
@@ -376,14 +389,16 @@ class Trainer:
                 totals[k] = totals[k] + value if k in totals else value
         if "grads" not in self.memory:
             self.memory["grads"] = memory.local_bytes(p.grad for p in self.model.parameters())
-        waited = self.checkpointer.before_update()
-        if waited:
+        if waited := self.checkpointer.before_update():
             self.telemetry.checkpoint_blocked(waited, same_save=True)
         assert total_loss is not None
         clip = self.spec.train.grad_clip_norm
-        self.strategy.engine.average_gradients(self.model)  # across replica groups
+        with self.pace.waiting():  # for the other replica groups
+            self.strategy.engine.average_gradients(self.model)
         norm = self.strategy.steps.finish_gradients(self.model, self.optimizer, clip)
-        if not self.strategy.engine.commit_step():
+        with self.pace.waiting():
+            committed = self.strategy.engine.commit_step()
+        if not committed:
             self.strategy.drop_update(self.optimizer)
             return False
         step = self.progress.step + 1
@@ -394,6 +409,7 @@ class Trainer:
                 self.average.update()
         else:
             self.strategy.drop_update(self.optimizer)
+        self.pace.step_done()
         self.scheduler.step()
         if accum > 1:
             total_loss, totals = total_loss / accum, {k: v / accum for k, v in totals.items()}
@@ -414,6 +430,8 @@ class Trainer:
         if not window.steps:  # every update of the window was skipped (train.on_nonfinite)
             return
         self.state.window = MetricsWindow()
+        # Collective: every rank's pace in this window, compared once it is logged.
+        ranks = self.stragglers.gather(self.pace.window()) if self.stragglers else {}
         self.report.log(
             window,
             self.progress.step,
@@ -421,7 +439,27 @@ class Trainer:
             rates_used(self.spec.optim, self.scheduler, self.grouping.names()),
             self.state.nonfinite.device_record(),
             receive_own=self.state.nonfinite.note,
+            pace=by_rank(ranks),
         )
+        if self.stragglers:
+            found = self.stragglers.judge(ranks, self.progress.step, window.steps)
+            if found:
+                self._act_on_straggler(self.stragglers, found)
+
+    def _act_on_straggler(self, watch: StragglerWatch, found: Slowness) -> None:
+        """`launch.straggler.action`, every rank having judged alike: `stop` saves (a
+        collective), then ends the run naming the rank; `restart` ends the processes of the
+        straggler's replica group, which its agent restarts."""
+        action, step = self.spec.launch.straggler.action, self.progress.step
+        if action == "restart" and watch.ours(found):
+            raise watch.restart_error(found, step)
+        if action != "stop":
+            return
+        if self.spec.checkpoint.enabled and self.saved_at != step:
+            self._save()
+        self.checkpointer.close()
+        saved = self.checkpointer.store.latest() if self.spec.checkpoint.enabled else None
+        raise watch.stop_error(found, step, saved)
 
     def _save(self) -> None:
         if not self.strategy.engine.saves_checkpoints:  # another replica group saves this one

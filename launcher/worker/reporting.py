@@ -98,11 +98,13 @@ class Reporter:
         rates: dict[str, float],
         own: torch.Tensor,
         receive_own: Callable[[list[float]], None],
+        pace: dict[str, list[float | None]] | None = None,
     ) -> None:
         """The window's means over every replica, read without stalling the device. `rates`:
         the learning rates step `step` used (`lr`, and `lr/<group>` where groups differ).
         `own` (this rank's values, not reduced) rides along; `receive_own` gets their host
-        values."""
+        values. `pace`: each rank's seconds per step in its parts (`launcher.worker.
+        stragglers.by_rank`), recorded as they are."""
         local = window.mean()
         names = list(local)
         reduced = self.strategy.reduce_mean(torch.stack([local[k] for k in names]))
@@ -112,10 +114,11 @@ class Reporter:
         )
         per_step = window.seconds_per_step()
         steps = window.steps
+        by_rank = pace or {}
 
         def report(host: list[float]) -> None:
             mean = dict(zip(names, host[: len(names)], strict=True))
-            self._report(mean, host[len(names)], step, epoch, rates, per_step)
+            self._report(mean, host[len(names)], step, epoch, rates, per_step, by_rank)
             for watcher in self._watchers:
                 said = watcher(mean, steps)
                 if said:
@@ -126,7 +129,7 @@ class Reporter:
 
     def _report(
         self, mean: dict[str, float], own_loss: float, step: int, epoch: int,
-        rates: dict[str, float], per_step: float,
+        rates: dict[str, float], per_step: float, by_rank: dict[str, list[float | None]],
     ) -> None:  # fmt: skip
         rate = self.spec.train.grad_accum_steps * self.spec.data.batch_size / per_step
         total = self.total_steps
@@ -139,7 +142,14 @@ class Reporter:
         rate *= self.strategy.replicas
         engine = self.strategy.engine.metrics()  # across replica groups: bytes, syncs
         self.telemetry.metrics(
-            step=step, epoch=epoch, **rates, samples_per_s=rate, **mean, **speed, **engine
+            step=step,
+            epoch=epoch,
+            **rates,
+            samples_per_s=rate,
+            **mean,
+            **speed,
+            **engine,
+            **by_rank,
         )
         extras = "".join(f" | {k} {v:.4g}" for k, v in mean.items() if k != "loss")
         self.say_for_run(
@@ -181,7 +191,7 @@ class Reporter:
             **({"checkpoint_written_s": [round(s, 4) for s in written]} if written else {}),
             **backend,
         )
-        shown = {k: v for k, v in backend.items() if not isinstance(v, dict)}
+        shown = {k: v for k, v in backend.items() if not isinstance(v, dict | list)}
         self.say(
             f"done: {step} steps"
             + (f", {skipped} updates skipped (non-finite)" if skipped else "")

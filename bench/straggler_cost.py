@@ -5,7 +5,8 @@ bench/gpt_bench.yaml.
 
 Two measurements, both against a peer measured in the same run:
 - in one process: the median time of one step's timing (the marks a DDP step takes: a fetch,
-  the backward's own end, its return, the step's end, and the window's reading at its share)
+  the backward's own end, its return, the optimizer's update, the step's end, and the
+  window's reading at its share)
   against the median time of a whole training step (forward, backward, AdamW), 1 thread;
 - whole runs: the launcher on 2 processes with `launch.straggler.action` warn and off, in
   alternating pairs, each run's median step (summary.json).
@@ -38,6 +39,8 @@ def in_process(repeats: int = 40, log_every: int = 10) -> dict[str, float]:
             pass
         pace.wait_started()
         pace.backward_returned()
+        with pace.updating():
+            pass
         pace.step_done()
         if len(pace._done) == log_every:
             pace.window()

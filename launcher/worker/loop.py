@@ -255,6 +255,7 @@ class Trainer:
                 if moved:
                     break
                 self.profiler.before_step(progress.step + 1)
+                self.pace.step_started()
                 moved = not self._step(batches)  # a void step: taken again, on its data
                 self.profiler.after_step(progress.step)
                 last = progress.step == self.total_steps
@@ -370,7 +371,6 @@ class Trainer:
         total_loss: torch.Tensor | None = None
         totals: dict[str, torch.Tensor] = {}
         samples = 0
-        self.pace.step_started()
         for i in range(accum):
             with self.pace.fetching():
                 batch = next(batches)
@@ -404,7 +404,8 @@ class Trainer:
         step = self.progress.step + 1
         applied = self.state.nonfinite.allows_update(step, total_loss, norm)
         if applied:
-            self.strategy.apply_update(self.optimizer)
+            with self.pace.updating():
+                self.strategy.apply_update(self.optimizer)
             if self.average is not None:
                 self.average.update()
         else:

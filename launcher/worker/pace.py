@@ -23,7 +23,8 @@ from torch import nn
 from launcher.parallel.waits import HostClock, WaitMarks, clock_for
 
 PARTS = ("compute", "data")  # compared between the ranks
-FIGURES = (*PARTS, "wait")  # kept: `Pace.window`'s
+# Kept too (`Pace.window`'s): the waits, and the part of compute the optimizer's update took.
+FIGURES = (*PARTS, "wait", "optimizer")
 # A window's medians come from its last steps, at most this many: a long `train.log_every`
 # holds no more marks (a GPU's events) than this.
 KEPT_STEPS = 64
@@ -34,6 +35,7 @@ class _Step:
     data: float = 0.0  # host seconds: the loader runs on the host
     work: list[tuple[Any, Any]] = field(default_factory=list)  # spans of marks
     waits: list[tuple[Any, Any]] = field(default_factory=list)
+    optimizer: list[tuple[Any, Any]] = field(default_factory=list)  # inside work's spans
 
 
 class Pace:
@@ -65,6 +67,15 @@ class Pace:
         finally:
             self._step.data += self.host.seconds(started, self.host.mark())
             self._open = self.clock.mark()
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around the optimizer's update: compute, also timed apart."""
+        started = self.clock.mark()
+        try:
+            yield
+        finally:
+            self._step.optimizer.append((started, self.clock.mark()))
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -105,14 +116,15 @@ class Pace:
         return now
 
     def window(self) -> dict[str, float]:
-        """The medians of this window's steps, in seconds per step (`compute`, `data`,
-        `wait`); a new window starts."""
+        """The medians of this window's steps, in seconds per step (FIGURES); a new
+        window starts."""
         seconds = self.clock.seconds
         parts: dict[str, list[float]] = {name: [] for name in FIGURES}
         for step in self._done:
             parts["compute"].append(sum(seconds(a, b) for a, b in step.work))
             parts["data"].append(step.data)
             parts["wait"].append(sum(seconds(a, b) for a, b in step.waits))
+            parts["optimizer"].append(sum(seconds(a, b) for a, b in step.optimizer))
         self._done = []
         return {k: statistics.median(v) if v else 0.0 for k, v in parts.items()}
 
@@ -135,6 +147,10 @@ class IdlePace(Pace):
 
     @contextlib.contextmanager
     def fetching(self) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
         yield
 
     @contextlib.contextmanager

@@ -31,6 +31,7 @@ from launcher.worker.pace import FIGURES, PARTS, IdlePace, Pace
 # A gap smaller than this share of the median step is noise, whatever its ratio: a loader
 # that takes 2 ms where the others take 1 ms slows no one.
 MIN_SHARE = 0.05
+STEP = (*PARTS, "wait")  # the figures that add up to a step (the optimizer's is compute's)
 
 Figures = dict[int, dict[str, float]]  # each rank's seconds per step in FIGURES, by run rank
 
@@ -100,7 +101,7 @@ class StragglerWatch:
                 slowness.absent()
         if len(ranks) < 2:  # every other group outside the quorum: none to compare with
             return None
-        step_s = statistics.median(sum(r.values()) for r in ranks.values())
+        step_s = statistics.median(sum(r[name] for name in STEP) for r in ranks.values())
         newly: Slowness | None = None
         for rank in sorted(ranks):
             for part in PARTS:

@@ -132,6 +132,8 @@ def test_a_rank_slower_at_its_compute_is_named_and_the_others_waits_are_not_comp
     record = [r for r in metrics_of(run_dir) if "rank_compute_s" in r][-1]
     compute, wait = record["rank_compute_s"], record["rank_wait_s"]
     assert len(compute) == devices == len(wait) == len(record["rank_data_s"])
+    # The optimizer's update, a part of compute, timed apart too.
+    assert all(0 < o < c for o, c in zip(record["rank_optimizer_s"], compute, strict=True))
     assert compute[1] >= 1.25 * max(c for rank, c in enumerate(compute) if rank != 1), compute
     assert all(w >= 0 for w in wait)
 

@@ -74,22 +74,21 @@ class StragglerWatch:
     ) -> None:
         self.settings, self.layout, self.say = settings, layout, say
         self.control, self.engine = strategy.control, strategy.engine
-        self.is_main = strategy.is_main
-        # Where each rank of this group runs, once: the line names the host to replace.
-        places = self.control.gather((socket.gethostname(), str(strategy.device)))
-        self.places = {self.engine.run_rank(rank): place for rank, place in enumerate(places)}
+        self.is_main, self.world_size = strategy.is_main, strategy.world_size
+        # This group's processes, by the run's rank, and where each runs (gathered with the
+        # figures, not at the start: a collective there would hold the ranks in step).
+        self.own = {self.engine.run_rank(rank) for rank in range(strategy.world_size)}
+        self.place = (socket.gethostname(), str(strategy.device))
+        self.places: dict[int, tuple[str, str]] = {}
         self.slowness: dict[tuple[int, str], Slowness] = {}
         self.episodes: list[dict[str, Any]] = []
-
-    @property
-    def ranks_compared(self) -> int:
-        groups = self.engine.group_count if self.engine.paces_together else 1
-        return len(self.places) * groups
 
     def gather(self, figures: dict[str, float]) -> Figures:
         """Collective: every rank's window `figures` (`Pace.window`), by the run's rank; the
         ranks of a replica group outside the step's quorum are left out."""
-        rows = [[own[name] for name in FIGURES] for own in self.control.gather(figures)]
+        gathered = self.control.gather((self.place, figures))
+        self.places = {self.engine.run_rank(r): place for r, (place, _) in enumerate(gathered)}
+        rows = [[own[name] for name in FIGURES] for _, own in gathered]
         table = self.engine.figures_across_groups(rows)
         return {rank: dict(zip(FIGURES, row, strict=True)) for rank, row in table.items()}
 
@@ -125,10 +124,10 @@ class StragglerWatch:
 
     def ours(self, slowness: Slowness) -> bool:
         """Whether the straggler is a process of this one's replica group."""
-        return slowness.rank in self.places
+        return slowness.rank in self.own
 
     def describe(self, slowness: Slowness) -> str:
-        if not self.ours(slowness):
+        if slowness.rank not in self.places:
             return f"rank {slowness.rank}"
         host, device = self.places[slowness.rank]
         return f"rank {slowness.rank} (host {host}, {device})"
@@ -147,7 +146,7 @@ class StragglerWatch:
             f"{slowness.part} for {slowness.steps} steps; {then}",
         )
         episode = {"rank": slowness.rank, "part": slowness.part, "ratio": ratio, "found_at": step}
-        if self.ours(slowness):
+        if slowness.rank in self.places:
             episode["host"], episode["device"] = self.places[slowness.rank]
         self.episodes.append(episode)
         self._record(slowness, "found", **episode)
@@ -231,8 +230,6 @@ def watch_pace(
     if off or _alone(strategy):
         return IdlePace(), None
     watch = StragglerWatch(settings, strategy, layout, say)
-    if watch.ranks_compared < 2:  # no process group to gather over
-        return IdlePace(), None
     return Pace(model, strategy.device), watch
 
 

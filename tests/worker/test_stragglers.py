@@ -178,12 +178,13 @@ def test_stop_saves_then_stops_with_the_line(tmp_path: Path) -> None:
 
 def _watch(ranks: int, tmp_path: Path, action: str = "warn") -> StragglerWatch:
     """A watch of `ranks` processes judged on this one (rank 0 of one group)."""
-    process = SimpleNamespace(rank=0, is_main=True, device="cpu", control=ControlChannel(1))
+    process = SimpleNamespace(rank=0, is_main=True, device="cpu", world_size=1)
+    process.control = ControlChannel(1)
     process.engine = NoReplicas(process)
     said: list[str] = []
     settings = StragglerSection(window=2, action=action)
     watch = StragglerWatch(settings, process, RunLayout(tmp_path), said.append)  # type: ignore[arg-type]
-    watch.places = {r: ("h", f"cpu:{r}") for r in range(ranks)}
+    watch.own, watch.places = set(range(ranks)), {r: ("h", f"cpu:{r}") for r in range(ranks)}
     watch.said = said  # type: ignore[attr-defined]
     return watch
 

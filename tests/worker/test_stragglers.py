@@ -19,7 +19,7 @@ from launcher.replicas.engine import NoReplicas
 from launcher.rundir import fault_events
 from launcher.rundir.layout import RunLayout
 from launcher.worker.stragglers import StragglerWatch
-from tests.conftest import metrics_of, only_run_dir, run_train, usage_error, write_spec
+from tests.conftest import REPO, metrics_of, only_run_dir, run_train, usage_error, write_spec
 from tests.tiny_recipes import tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher_only]
@@ -303,3 +303,23 @@ def test_under_fault_tolerance_the_straggling_group_restarts_and_heals(tmp_path:
     assert episode["rank"] == 1 and episode["recovered_at"] > episode["found_at"], episode
     record = [r for r in metrics_of(run_dir) if "rank_compute_s" in r][-1]
     assert len(record["rank_compute_s"]) == 2, record
+
+
+def test_a_stock_hugging_face_model_is_timed_on_every_rank(tmp_path: Path) -> None:
+    """A Llama built from its config (`recipes/hf_causal_lm.py`) under fsdp on 2: every rank
+    is timed and its waits for the other are found on a model nobody here wrote, and its
+    healthy ranks are named by no one."""
+    pytest.importorskip("transformers")
+    hf = {"source": str(REPO / "recipes/hf_causal_lm.py"), "model": {"family": "llama"},
+          "dataset": {"seq_len": 16}}  # fmt: skip
+    spec = write_spec(
+        tmp_path / "run.yaml", recipe=hf, launch={"devices": 2, "strategy": "fsdp"},
+        train={"max_steps": 20, "log_every": 5}, checkpoint={"enabled": False},
+        log={"trackers": []},
+    )  # fmt: skip
+    result = run_train(["--config", str(spec)], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _named(result) == []
+    record = [r for r in metrics_of(only_run_dir(tmp_path / "runs")) if "rank_wait_s" in r][-1]
+    assert all(c > 0 for c in record["rank_compute_s"]) and len(record["rank_compute_s"]) == 2
+    assert all(w > 0 for w in record["rank_wait_s"]), record  # backward's end, the gathers

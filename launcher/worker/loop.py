@@ -226,6 +226,10 @@ class Trainer:
             self._restore(self.resume_from)
         self.telemetry.sinks_started()
         self.telemetry.start_from(self.progress.step)
+        # Asked while the ranks were starting (a preemption, Ctrl-C on another node): no step.
+        # Every rank leaves this collective together, whatever rank 0 alone did (its trackers'
+        # start), so the header they all print next comes together and folds into one line.
+        self.stop_requested = self.strategy.control.any_rank(self.layout.stop_request.exists())
         resumed = self.progress.step if self.resume_from else None
         self.report.introduce(self.grouping, self.feed.samples, resumed)
         ended = RunEnd("failed")  # unless _run returns
@@ -238,10 +242,7 @@ class Trainer:
     def _run(self) -> None:
         spec, progress = self.spec, self.progress
         self.saved_at = progress.step
-        # Asked while the ranks were starting (a preemption, Ctrl-C on another node): no step.
-        self.stop_requested = stopped = self.strategy.control.any_rank(
-            self.layout.stop_request.exists()
-        )
+        stopped = self.stop_requested
         if stopped:
             self._say(f"stop requested: stopping before step {progress.step + 1}")
         while progress.step < self.total_steps and not stopped:

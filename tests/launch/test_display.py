@@ -183,8 +183,19 @@ def test_identical_lines_within_the_window_merge():
 def test_identical_lines_outside_the_window_stay_apart():
     lines = Coalescer(window_s=0.2)
     lines.add(0, "loading", now=0.0)
+    assert lines.ready(now=0.25) == [(frozenset({0}), "loading")]
     lines.add(1, "loading", now=0.25)
-    assert lines.ready(now=1.0) == [(frozenset({0}), "loading"), (frozenset({1}), "loading")]
+    assert lines.ready(now=1.0) == [(frozenset({1}), "loading")]
+
+
+def test_a_late_read_does_not_shorten_the_window():
+    """The files were read again only 0.3 s after the first copy (the display's thread
+    waited for a core): what that read brought was written within the window, so it joins."""
+    lines = Coalescer(window_s=0.2)
+    lines.add(0, "loading", now=0.0)
+    assert lines.ready(now=0.1) == []
+    lines.add(1, "loading", now=0.3)
+    assert lines.ready(now=0.3) == [(frozenset({0, 1}), "loading")]
 
 
 def test_a_rank_repeating_itself_gives_two_lines():

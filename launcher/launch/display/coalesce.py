@@ -8,6 +8,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+# How long a line one rank printed waits for the other ranks' copies. Ranks that print the
+# same line together may still reach the file seconds apart on a loaded machine (each is one
+# of many runnable processes); past this, a line printed by one rank alone, as most lines
+# after the start are, would come noticeably late.
+WINDOW_S = 0.5
+
 
 @dataclass
 class _Group:
@@ -23,9 +29,13 @@ class Coalescer:
     Output keeps first-seen order, and each rank's own lines keep their order: a rank may
     only join a group that started after the last group it is in. So a rank printing the
     same text twice gives two lines, and a merge never reorders any rank's output.
+
+    A copy joins while its line is still held, that is until the first ``ready`` at or past
+    the window: the caller adds what one read of the files brought, then asks ``ready``, so a
+    read that comes late (the reading thread waited for a core) does not shorten the window.
     """
 
-    def __init__(self, window_s: float = 0.2, expected: Iterable[int] | None = None) -> None:
+    def __init__(self, window_s: float = WINDOW_S, expected: Iterable[int] | None = None) -> None:
         """``expected``: ranks that can print a line; once all of them have, it goes at once."""
         self.window_s = window_s
         self._expected = frozenset(expected) if expected is not None else None
@@ -36,7 +46,7 @@ class Coalescer:
         self._next_seq = 0
 
     def add(self, rank: int, text: str, now: float) -> None:
-        group = self._joinable(rank, text, now)
+        group = self._joinable(rank, text)
         if group is None:
             group = _Group(self._next_seq, text, now)
             self._next_seq += 1
@@ -58,10 +68,10 @@ class Coalescer:
         """Every pending line, regardless of its wait."""
         return self._take(len(self._pending))
 
-    def _joinable(self, rank: int, text: str, now: float) -> _Group | None:
+    def _joinable(self, rank: int, text: str) -> _Group | None:
         after = self._last_seq.get(rank, -1)
         for group in self._by_text.get(text, ()):
-            if group.seq > after and now - group.first_seen <= self.window_s:
+            if group.seq > after:
                 return group
         return None
 

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from launcher.launch.closed_output import LauncherConsole
 from launcher.launch.display.alerts import AlertDetector, may_hold_alerts
-from launcher.launch.display.coalesce import Coalescer
+from launcher.launch.display.coalesce import WINDOW_S, Coalescer
 from launcher.launch.display.sinks import PlainSink, TerminalSink
 from launcher.launch.display.status import TelemetryBoard
 from launcher.launch.display.tail import FileTail, MultiTail, decode_line, split_lines
@@ -56,7 +56,7 @@ class RunDisplay:
         console: Console | None = None,
         title: str = "",
         *,
-        coalesce_window_s: float = 0.2,
+        coalesce_window_s: float = WINDOW_S,
     ) -> None:
         self._layout = RunLayout(Path(run_dir))
         self._ranks = list(dict.fromkeys(ranks))

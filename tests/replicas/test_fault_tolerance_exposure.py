@@ -78,6 +78,15 @@ def _served_states(lighthouse: str, manager_client: Any) -> list[str]:
             time.sleep(1)
 
 
+def _groups_of(workers: list[psutil.Process]) -> list[str] | None:
+    """The workers' replica groups, sorted; None where one ended while it was read (its
+    group restarting)."""
+    try:
+        return sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
+    except psutil.NoSuchProcess:
+        return None
+
+
 def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alone(
     tmp_path: Path,
 ) -> None:
@@ -95,8 +104,7 @@ def test_a_run_listens_on_loopback_alone_and_serves_its_state_to_its_groups_alon
         # group that a loaded machine made miss a heartbeat is away while it restarts.)
         deadline = time.monotonic() + 90
         while True:
-            workers = training_processes(proc.pid)
-            groups = sorted(p.environ().get("REPLICA_GROUP_ID", "-") for p in workers)
+            groups = _groups_of(training_processes(proc.pid))
             if groups == ["0", "1"] or time.monotonic() > deadline:
                 break
             time.sleep(1)

@@ -3,7 +3,8 @@ use), in a thread of the test process; `train` subprocesses reach it over HTTP, 
 credentials and endpoint in the environment as a user's would be.
 
 `slow_puts` holds back chosen uploads (a path's ending → seconds), so that a test can kill a
-run in the middle of a save, with some files of a checkpoint in the store and not others;
+run in the middle of a save, with some files of a checkpoint in the store and not others (an
+upload the test lets go of before its time, by removing its entry, is refused, not written);
 `refused_puts` answers chosen uploads with S3's AccessDenied, which no client retries;
 `truncated_gets` answers downloads of chosen objects (a path's ending) with half their bytes
 under the whole one's Content-Length, as a connection cut mid-body does; `failing_paths` answers
@@ -79,16 +80,28 @@ class S3Server(moto_server.ThreadedMotoServer):
                 return [] if method == "HEAD" else [_INTERNAL_ERROR]
             if method == "GET" and any(path.endswith(end) for end in self.truncated_gets):
                 return _truncated(app, environ, start_response)
-            if method == "PUT":
-                for ending, seconds in list(self.slow_puts.items()):
-                    if path.endswith(ending):
-                        time.sleep(seconds)
-                if any(path.endswith(ending) for ending in self.refused_puts):
-                    start_response("403 Forbidden", [("Content-Type", "application/xml")])
-                    return [_ACCESS_DENIED]
+            if method == "PUT" and not self._held_for_their_time(path):
+                start_response("503 Service Unavailable", [("Content-Type", "application/xml")])
+                return [_INTERNAL_ERROR]
+            if method == "PUT" and any(path.endswith(end) for end in self.refused_puts):
+                start_response("403 Forbidden", [("Content-Type", "application/xml")])
+                return [_ACCESS_DENIED]
             return app(environ, start_response)
 
         return held
+
+    def _held_for_their_time(self, path: str) -> bool:
+        """Holds an upload `slow_puts` names for its seconds; False where the test let it go
+        first (removed its entry): the upload is then refused, never written late, as the
+        client that sent it may be gone and a run since may have written the same file."""
+        for ending, seconds in list(self.slow_puts.items()):
+            if path.endswith(ending):
+                until = time.monotonic() + seconds
+                while time.monotonic() < until:
+                    if ending not in self.slow_puts:
+                        return False
+                    time.sleep(0.05)
+        return True
 
     def filesystem(self) -> Any:
         return s3fs.S3FileSystem(

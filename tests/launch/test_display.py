@@ -1,5 +1,6 @@
 import io
 import json
+import random
 import re
 import sys
 import threading
@@ -216,6 +217,43 @@ def test_merging_never_reorders_a_ranks_own_lines():
         (frozenset({0, 1}), "y"),
         (frozenset({1}), "x"),
     ]
+
+
+def test_a_ranks_own_line_read_after_another_ranks_copy_does_not_split_the_copies():
+    """torch 2.9 prints `[Gloo] Rank N is connected ...` on every rank as a group starts,
+    right before the header every rank prints: one read brings rank 0's two lines, then
+    rank 1's. Rank 1's own line moves before rank 0's header, so its header joins it."""
+    lines = Coalescer(window_s=0.2, expected=[0, 1])
+    for rank in (0, 1):
+        lines.add(rank, f"[Gloo] Rank {rank} is connected", now=0.0)
+        lines.add(rank, "5,313 parameters", now=0.0)
+        lines.add(rank, f"process {rank}/2", now=0.0)
+    assert lines.flush() == [
+        (frozenset({0}), "[Gloo] Rank 0 is connected"),
+        (frozenset({1}), "[Gloo] Rank 1 is connected"),
+        (frozenset({0, 1}), "5,313 parameters"),
+        (frozenset({0}), "process 0/2"),
+        (frozenset({1}), "process 1/2"),
+    ]
+
+
+def test_folding_keeps_every_ranks_lines_in_their_order():
+    """Three ranks print lines from a small set, read in random bursts: whatever folds, each
+    rank's lines come out whole and in the order it printed them."""
+    rng = random.Random(0)
+    for _ in range(300):
+        lines, printed, shown = Coalescer(window_s=0.2), {0: [], 1: [], 2: []}, []
+        now = 0.0
+        for _ in range(rng.randrange(1, 40)):
+            rank, text = rng.randrange(3), rng.choice("abcd")
+            printed[rank].append(text)
+            lines.add(rank, text, now=now)
+            if rng.random() < 0.2:
+                now += rng.choice((0.05, 0.3))
+                shown += lines.ready(now=now)
+        shown += lines.flush()
+        for rank, texts in printed.items():
+            assert [text for ranks, text in shown if rank in ranks] == texts
 
 
 def test_a_line_every_expected_rank_printed_goes_at_once_but_in_order():

@@ -49,7 +49,6 @@ class Coalescer:
         self._pending: deque[_Group] = deque()
         # Pending groups by text, oldest first, so a burst of lines stays linear-time.
         self._by_text: dict[str, deque[_Group]] = {}
-        self._last_seq: dict[int, int | Fraction] = {}
         # Each rank's pending groups, oldest first; and the place of the newest group it shares
         # with another rank (one a rank's own lines never move before).
         self._mine: dict[int, deque[_Group]] = {}
@@ -69,7 +68,6 @@ class Coalescer:
             for each in group.ranks:
                 self._shared_seq[each] = max(group.seq, self._shared_seq.get(each, group.seq))
         self._mine.setdefault(rank, deque()).append(group)
-        self._last_seq[rank] = group.seq
 
     def ready(self, now: float) -> list[tuple[frozenset[int], str]]:
         """Lines whose wait is over, oldest first; a later line never overtakes an earlier."""
@@ -85,7 +83,10 @@ class Coalescer:
         return self._take(len(self._pending))
 
     def _joinable(self, rank: int, text: str) -> _Group | None:
-        after = self._last_seq.get(rank, self._taken_seq)
+        # After the rank's last pending group; with none, every pending group comes after
+        # the last one it was in.
+        mine = self._mine.get(rank)
+        after = mine[-1].seq if mine else self._taken_seq
         for group in self._by_text.get(text, ()):
             if group.seq > after:
                 return group

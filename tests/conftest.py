@@ -43,8 +43,10 @@ def run_train(
     The `train` process is a fork of a warm process that imported torch and the launcher once
     (`tests.forked_train`): the launcher's own 1.5-2 CPU-seconds of imports, saved on each of
     the suite's hundreds of runs. Its workers are started by the launcher as a user's are.
-    A test that signals the launcher, or reads its command line, starts the real command
-    (`start_train`); so does a run whose environment changes how an interpreter starts."""
+    A test that signals a running launcher forks it as well (`forked_train.fork_train`); a test
+    of how `train` itself starts (a signal during its imports, its command line, a wrapper)
+    starts the real command (`start_train`); so does a run whose environment changes how an
+    interpreter starts."""
     from tests.forked_train import train_in_fork
 
     if any(key.startswith(("PYTHON", "TORCH")) for key in env or {}):

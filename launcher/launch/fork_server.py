@@ -325,7 +325,28 @@ class ServerProcess:
             os.kill(self.pid, signal.SIGKILL)
 
 
-class ForkedProcess:
+class PopenSignals:
+    """`subprocess.Popen`'s send_signal, terminate and kill, for a process object that has a
+    `pid` and answers `poll()`: as Popen's, a signal goes only to a process still running
+    (never to a pid the system may have reused since)."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProcess(PopenSignals):
     """A forked worker, answering as the `subprocess.Popen` of torch's handler does."""
 
     def __init__(self, args: list[str], status: socket.socket) -> None:
@@ -370,16 +391,6 @@ class ForkedProcess:
             return b"", 0
         kind, value = _STATUS.unpack(data)
         return kind, value
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class ForkedHandler:

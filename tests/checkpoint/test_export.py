@@ -31,12 +31,11 @@ from tests.conftest import (
     REPO,
     finish_train,
     run_train,
-    start_train,
     usage_error,
     wait_for_step,
     write_spec,
 )
-from tests.forked_train import train_in_fork
+from tests.forked_train import fork_train, train_in_fork
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -346,7 +345,7 @@ def test_a_running_run_that_keeps_one_checkpoint_exports(tmp_path: Path) -> None
         train={"max_steps": 10_000, "log_every": 50},
         checkpoint={"every_n_steps": 2, "keep_last": 1},
     )
-    proc = start_train(["--config", str(spec), "--run-dir", str(tmp_path / "run")], tmp_path,
+    proc = fork_train(["--config", str(spec), "--run-dir", str(tmp_path / "run")], tmp_path,
                        env={"FAULT": "slow", "FAULT_RANK": "0"})  # fmt: skip
     try:
         wait_for_step(tmp_path / "run", 0, 4, proc)

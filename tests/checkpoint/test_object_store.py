@@ -28,6 +28,7 @@ from tests.conftest import (
     usage_error,
     write_spec,
 )
+from tests.forked_train import fork_train
 from tests.s3_server import BUCKET, S3Server, s3_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -106,7 +107,7 @@ def test_killed_in_an_upload_resumes_from_the_last_complete_one_bitwise(
     spec = _spec(folder, store=f"s3://{BUCKET}/{prefix}/{{run}}", **launch)
     s3.slow_puts["step-00000004/meta.json"] = 60.0
     try:
-        proc = start_train(["--config", str(spec)], folder, env=s3.env)
+        proc = fork_train(["--config", str(spec)], folder, env=s3.env)
         _kill_in_upload(s3, proc, f"{BUCKET}/{prefix}/*/step-00000004/.metadata")
         # Held until no process of the run is left: its workers outlive the launcher's SIGKILL
         # by a moment, in which rank 0 may still send meta.json (CI saw it, on a loaded machine).

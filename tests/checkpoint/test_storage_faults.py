@@ -21,7 +21,8 @@ from launcher.checkpoint import save_failure
 from launcher.launch.agent import AgentLogs
 from launcher.launch.failure_report import last_words, root_cause, storage_notes
 from launcher.rundir.layout import RunLayout
-from tests.conftest import TRAIN, finish_train, run_train, start_train, usage_error, write_spec
+from tests.conftest import TRAIN, finish_train, run_train, usage_error, write_spec
+from tests.forked_train import fork_train
 from tests.launch.test_multinode import finish_nodes, free_port, node_args
 from tests.tiny_recipes import write_recipe
 
@@ -113,7 +114,7 @@ def test_nodes_with_run_folders_of_their_own_are_refused_before_training(tmp_pat
             node_args(spec, rank, port, job, "--run-dir", str(run_dirs[rank])) for rank in (0, 1)
         ]
         # Node 1 first: it waits for node 0, which hosts the rendezvous.
-        procs = [start_train(a, cwd=tmp_path) for a in args[::-1]][::-1]
+        procs = [fork_train(a, cwd=tmp_path) for a in args[::-1]][::-1]
         return finish_nodes(procs, tmp_path)
 
     own = [tmp_path / "node0", tmp_path / "node1"]

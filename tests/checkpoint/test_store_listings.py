@@ -18,7 +18,8 @@ from launcher.checkpoint.stores.local_folder import LocalStore
 from launcher.launch.plan import make_plan
 from launcher.rundir.layout import CheckpointFiles, RunLayout
 from launcher.rundir.worker_plan import WorkerPlan
-from tests.conftest import bare_spec, finish_train, run_train, start_train, write_spec
+from tests.conftest import bare_spec, finish_train, run_train, write_spec
+from tests.forked_train import fork_train
 from tests.s3_server import BUCKET, S3Server, s3_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,7 +68,7 @@ def test_a_resume_latest_lists_the_store_at_most_twice_in_the_launcher(
     assert first.returncode == 0, first.stdout + first.stderr
     since = len(s3.requests)
     args = ["--config", str(spec), "--resume", "latest", "train.max_steps=2"]
-    proc = start_train(args, tmp_path, env=s3.env)
+    proc = fork_train(args, tmp_path, env=s3.env)
     said = _launcher_part(proc)
     launcher = _listings(s3, since)
     resumed = finish_train(proc, tmp_path)

@@ -26,11 +26,10 @@ from tests.conftest import (
     finish_train,
     free_port,
     metrics_of,
-    start_train,
     wait_for_step,
     write_spec,
 )
-from tests.forked_train import train_in_fork
+from tests.forked_train import fork_train, train_in_fork
 
 # What Kubeflow's training operator sets in the pods of a 4-pod PyTorchJob `gpt` (v1, and with
 # nprocPerNode: torchrun's PET_* as well, where WORLD_SIZE counts processes).
@@ -208,8 +207,8 @@ def test_two_pods_train_stop_on_sigterm_and_restarted_pods_resume(tmp_path: Path
 
     def start_pods() -> list[Any]:
         # The worker first: it waits for the master, which hosts the rendezvous.
-        started = [start_train(command, tmp_path, {**job, **pods[1]})]
-        return [start_train(command, tmp_path, {**job, **pods[0]}), *started]
+        started = [fork_train(command, tmp_path, {**job, **pods[1]})]
+        return [fork_train(command, tmp_path, {**job, **pods[0]}), *started]
 
     def finish(procs: list[Any]) -> list[Any]:
         for proc in procs:

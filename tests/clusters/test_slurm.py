@@ -20,8 +20,8 @@ from launcher.clusters.slurm import (
     sbatch_script,
 )
 from launcher.errors import UsageError
-from tests.conftest import REPO, finish_train, start_train, usage_error, write_spec
-from tests.forked_train import train_in_fork
+from tests.conftest import REPO, finish_train, usage_error, write_spec
+from tests.forked_train import fork_train, train_in_fork
 
 
 @pytest.mark.parametrize(
@@ -253,7 +253,7 @@ def test_srun_train_needs_no_flags(tmp_path: Path) -> None:
         "MASTER_PORT": str(port),
     }
     procs = [
-        start_train(
+        fork_train(
             ["--config", str(spec), "--devices", "1"],
             cwd=tmp_path,
             env={**env, "SLURM_NODEID": str(rank), "SLURM_PROCID": str(rank)},

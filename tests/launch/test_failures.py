@@ -31,6 +31,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import fork_train
 from tests.tiny_recipes import write_recipe
 from tests.watchdog_clock import WatchdogClock
 
@@ -79,7 +80,7 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_in_plain_words(
     tmp_path: Path, fault: str, sig: signal.Signals, words: str
 ) -> None:
     run_dir = tmp_path / "run"
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(_spec(tmp_path)), "--run-dir", str(run_dir)],
         tmp_path,
         {"FAULT": "segv" if fault == "segv" else "slow"},
@@ -135,7 +136,7 @@ def test_first_signal_saves_and_exits_then_resume_latest_is_exact(
     tmp_path: Path, sig: signal.Signals, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
     spec = _spec(tmp_path, max_steps=STEPS)
-    proc = start_train(["--config", str(spec)], tmp_path, {"FAULT": "slow"})
+    proc = fork_train(["--config", str(spec)], tmp_path, {"FAULT": "slow"})
     run_dir = _new_run_dir(tmp_path / "runs" / "t")
     wait_for_step(run_dir, 0, 5, proc)
     os.kill(proc.pid, sig)
@@ -156,7 +157,7 @@ def test_first_signal_saves_and_exits_then_resume_latest_is_exact(
 def test_a_second_signal_stops_everything_at_once(tmp_path: Path) -> None:
     spec = _spec(tmp_path, max_steps=1000)
     run_dir = tmp_path / "run"
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--run-dir", str(run_dir)], tmp_path, {"FAULT": "sleep"}
     )
     # Once rank 1 sleeps inside its step, a graceful stop cannot finish (after step 3 alone
@@ -184,7 +185,7 @@ def test_max_restarts_recovers_from_a_killed_rank_to_the_same_weights(
 ) -> None:
     spec = _spec(tmp_path, max_steps=STEPS)
     run_dir = tmp_path / "run"
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--run-dir", str(run_dir), "--max-restarts", "1"],
         tmp_path,
         {"FAULT": "slow"},
@@ -337,7 +338,7 @@ def test_a_hang_after_fast_steps_is_caught_in_one_stall_timeout(
     caught one stall_timeout after the last step, not three (the rank had surely stepped)."""
     spec = _spec(tmp_path, log_every=50)
     timeout = 6
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--stall-timeout", str(timeout), "checkpoint.every_n_steps=100"],
         tmp_path,
         env={"FAULT": "sleep", "FAULT_AT": str(hang_at)},
@@ -394,7 +395,7 @@ def test_an_error_in_a_dataloader_worker_shows_its_own_message_and_frame(tmp_pat
 
 def test_a_stopped_rank_is_named_stopped_not_stack_unknown(tmp_path: Path) -> None:
     spec = _spec(tmp_path, max_steps=1000)
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--stall-timeout", "3"], tmp_path, env={"FAULT": "slow"}
     )
     run_dir = _new_run_dir(tmp_path / "runs" / "t")
@@ -411,7 +412,7 @@ def test_ctrl_c_on_a_hung_run_ends_it_without_waiting_for_the_stall_timeout(
     tmp_path: Path,
 ) -> None:
     spec = _spec(tmp_path)
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--stall-timeout", "120"],
         tmp_path,
         env={"FAULT": "sleep", "FAULT_AT": "20"},
@@ -435,7 +436,7 @@ def test_a_run_folder_deleted_mid_run_is_named_and_the_run_stops_with_a_checkpoi
     tmp_path: Path,
 ) -> None:
     spec = _spec(tmp_path, max_steps=1000)
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--stall-timeout", "10", "checkpoint.every_n_steps=500"],
         tmp_path,
         env={"FAULT": "slow", "FAULT_RANK": "0"},

@@ -23,6 +23,7 @@ from tests.conftest import (
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import fork_train
 from tests.tiny_recipes import write_recipe
 
 pytestmark = pytest.mark.timeout(300)
@@ -295,7 +296,7 @@ def test_a_process_a_recipe_starts_when_imported_ends_with_the_command(
         tmp_path / "run.yaml", recipe={"source": "server.py", "dataset": {}}, train={"max_steps": 2}
     )
     args = ["--config", str(spec)] if command == "train" else ["validate", "--config", str(spec)]
-    result = finish_train(start_train(args, tmp_path), tmp_path)
+    result = finish_train(fork_train(args, tmp_path), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     files = list(tmp_path.glob("daemon-*.pid"))
     assert len(files) == (3 if command == "train" else 1)  # the launcher's, and each worker's

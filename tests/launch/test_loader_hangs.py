@@ -14,7 +14,8 @@ import pytest
 
 from launcher.launch.watchdog import Stall, Watchdog, describe, where_in_stack
 from launcher.metrics.telemetry import Telemetry
-from tests.conftest import finish_train, start_train, write_spec
+from tests.conftest import finish_train, write_spec
+from tests.forked_train import fork_train
 from tests.tiny_recipes import write_recipe
 from tests.watchdog_clock import WatchdogClock
 
@@ -128,7 +129,7 @@ def test_ctrl_c_stops_a_run_hung_on_a_loader_worker_in_an_evaluation(tmp_path: P
         train={"max_steps": 50, "log_every": 5},
         eval={"every_n_steps": 10},
     )
-    proc = start_train(["--config", str(spec), "--stall-timeout", "120"], tmp_path)
+    proc = fork_train(["--config", str(spec), "--stall-timeout", "120"], tmp_path)
     deadline = time.monotonic() + 120
     while not (tmp_path / "sleeping").exists() and time.monotonic() < deadline:
         time.sleep(0.1)

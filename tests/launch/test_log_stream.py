@@ -14,9 +14,9 @@ from tests.conftest import (
     finish_train,
     only_run_dir,
     run_train,
-    start_train,
     write_spec,
 )
+from tests.forked_train import fork_train
 from tests.tiny_recipes import write_recipe
 
 # The launcher's own display: the same on every torch, so it runs in .venv only.
@@ -78,7 +78,7 @@ def test_a_flood_then_a_crash_shows_every_line_before_the_report(tmp_path: Path)
 
 def test_a_flood_then_ctrl_c_shows_every_line(tmp_path: Path) -> None:
     spec = _flood_spec(tmp_path, max_steps=100_000, marker_dir=str(tmp_path), step_sleep=0.01)
-    proc = start_train(["--config", str(spec)], cwd=tmp_path)
+    proc = fork_train(["--config", str(spec)], cwd=tmp_path)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"flooded-{rank}").exists() for rank in (0, 1)):
         assert proc.poll() is None and time.monotonic() < deadline

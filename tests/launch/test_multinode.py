@@ -15,12 +15,11 @@ import pytest
 from tests.conftest import (
     finish_train,
     metrics_of,
-    start_train,
     usage_error,
     wait_for_step,
     write_spec,
 )
-from tests.forked_train import train_in_fork
+from tests.forked_train import fork_train, train_in_fork
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,7 +52,7 @@ def start_nodes(spec: Path, job: str, *extra: str) -> tuple[list[subprocess.Pope
     port = free_port()
     # Node 1 first: it waits for node 0, which hosts the rendezvous.
     return [
-        start_train(node_args(spec, rank, port, job, *extra), cwd=spec.parent) for rank in (1, 0)
+        fork_train(node_args(spec, rank, port, job, *extra), cwd=spec.parent) for rank in (1, 0)
     ][::-1], port
 
 
@@ -90,7 +89,7 @@ def test_two_nodes_make_one_run_that_matches_one_node_with_two_processes(tmp_pat
 
     single = write_spec(tmp_path / "single.yaml", train={"max_steps": 12, "log_every": 3})
     one = finish_train(
-        start_train(["--config", str(single), "--run-dir", str(tmp_path / "one")], cwd=tmp_path),
+        fork_train(["--config", str(single), "--run-dir", str(tmp_path / "one")], cwd=tmp_path),
         tmp_path,
     )
     assert one.returncode == 0, one.stdout + one.stderr
@@ -138,7 +137,7 @@ def test_a_node_started_again_rejoins_and_the_run_recovers(tmp_path: Path) -> No
     wait_for_step(run_dir, 1, 30, procs[1])  # past a checkpoint
     _kill_node(procs[1])
     # The same command again, continuing the job: node 0 waits for it in the rendezvous.
-    again = start_train(
+    again = fork_train(
         node_args(spec, 1, port, "again", "--max-restarts", "1", "--resume", "latest"), cwd=tmp_path
     )
     node0, _, node1 = finish_nodes([procs[0], procs[1], again], tmp_path)
@@ -163,7 +162,7 @@ def test_node_0_names_the_endpoint_it_cannot_host(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = finish_train(
-            start_train(node_args(spec, 0, port, "busy"), cwd=tmp_path), tmp_path, timeout=90
+            fork_train(node_args(spec, 0, port, "busy"), cwd=tmp_path), tmp_path, timeout=90
         )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
@@ -221,8 +220,8 @@ def test_nodes_that_do_not_make_one_run_are_named(
     spec = write_spec(tmp_path / "run.yaml")
     port = free_port()
     procs = [
-        start_train([*node_args(spec, 1, port, "uneven"), *node1_extra], cwd=tmp_path),
-        start_train(node_args(spec, 0, port, "uneven"), cwd=tmp_path),
+        fork_train([*node_args(spec, 1, port, "uneven"), *node1_extra], cwd=tmp_path),
+        fork_train(node_args(spec, 0, port, "uneven"), cwd=tmp_path),
     ]
     for result in finish_nodes(procs, tmp_path, timeout=90):
         usage_error(result, "the nodes of job uneven do not match", expected)

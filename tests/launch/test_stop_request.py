@@ -14,10 +14,10 @@ from launcher.rundir.layout import RunLayout
 from tests.conftest import (
     FAULTY_RECIPE,
     finish_train,
-    start_train,
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import fork_train
 
 
 @pytest.mark.timeout(180)
@@ -29,7 +29,7 @@ def test_ctrl_c_saves_and_leaves_no_stop_request(tmp_path: Path) -> None:
         train={"max_steps": 200, "log_every": 5},
     )
     run_dir = tmp_path / "run"
-    proc = start_train(
+    proc = fork_train(
         ["--config", str(spec), "--run-dir", str(run_dir)], tmp_path, {"FAULT": "slow"}
     )
     wait_for_step(run_dir, 0, 3, proc)

@@ -36,11 +36,10 @@ from tests.conftest import (
     metrics_of,
     only_run_dir,
     run_train,
-    start_train,
     usage_error,
     write_spec,
 )
-from tests.forked_train import train_in_fork
+from tests.forked_train import fork_train, train_in_fork
 from tests.metrics.mlflow_server import kill_server, mlflow_server_process
 from tests.metrics.mlflow_server import mlflow_server as running_mlflow_server
 from tests.metrics.test_tensorboard import read_scalars
@@ -95,7 +94,7 @@ def test_a_killed_and_resumed_run_is_one_tracker_run(tmp_path: Path, mlflow_serv
              "mlflow": {"experiment": "trackers-test"}},
     )  # fmt: skip
     env = {"MLFLOW_TRACKING_URI": mlflow_server, "WANDB_MODE": "offline", "FAULT": "slow"}
-    proc = start_train(["--config", str(spec)], tmp_path, env)
+    proc = fork_train(["--config", str(spec)], tmp_path, env)
     run_dir = _wait_for_run_dir(tmp_path / "runs", proc)
     resumes_from = _kill_past_checkpoint(proc, run_dir)
     finish_train(proc, tmp_path)
@@ -315,7 +314,7 @@ def test_a_killed_mlflow_server_stops_mlflow_alone(tmp_path: Path) -> None:
     (tmp_path / "mlflow").mkdir()
     with mlflow_server_process(tmp_path / "mlflow") as (url, server):
         env = {"MLFLOW_TRACKING_URI": url, "FAULT": "slow"}
-        proc = start_train(["--config", str(spec)], tmp_path, env)
+        proc = fork_train(["--config", str(spec)], tmp_path, env)
         run_dir = _wait_for_run_dir(tmp_path / "runs", proc)
         _wait_until_logged(url, "killed", 5, proc)
         kill_server(server)

@@ -24,10 +24,9 @@ from tests.conftest import (
     metrics_of,
     only_run_dir,
     run_train,
-    start_train,
     wait_for_step,
 )
-from tests.forked_train import train_in_fork
+from tests.forked_train import fork_train, train_in_fork
 
 # fp32, no dropout: the layouts differ only in how sums are ordered.
 GPT = {
@@ -121,7 +120,7 @@ def assert_a_killed_run_resumes_bit_for_bit(folder: Path, run: str) -> None:
     latest`: steps 11-20 and the exported weights are those of `folder/run`, uninterrupted,
     to the bit."""
     spec = folder / f"{run}.yaml"
-    proc = start_train(["--config", str(spec)], folder)  # into runs/, where latest looks
+    proc = fork_train(["--config", str(spec)], folder)  # into runs/, where latest looks
     try:
         wait_for_step(wait_for_run_dir(folder / "runs"), 0, 13, proc)  # past the step-10 save
         kill_tree(proc)
@@ -130,7 +129,7 @@ def assert_a_killed_run_resumes_bit_for_bit(folder: Path, run: str) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
     resumed = finish_train(
-        start_train(["--config", str(spec), "--resume", "latest"], folder), folder, timeout=240
+        fork_train(["--config", str(spec), "--resume", "latest"], folder), folder, timeout=240
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     run_dir = only_run_dir(folder / "runs")

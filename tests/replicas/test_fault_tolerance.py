@@ -20,10 +20,10 @@ from tests.conftest import (
     finish_train,
     only_run_dir,
     run_train,
-    start_train,
     usage_error,
     write_spec,
 )
+from tests.forked_train import fork_train
 from tests.tiny_recipes import recipe_text, tiny_recipe, write_recipe
 
 pytest.importorskip("torchft")
@@ -136,7 +136,7 @@ def test_a_group_that_keeps_failing_is_left_out_and_the_others_finish(tmp_path: 
 
 def test_a_lost_lighthouse_stops_the_run_with_its_checkpoints_intact(tmp_path: Path) -> None:
     spec = _spec(tmp_path, "ddp", 2, steps=5000)
-    proc = start_train(["--config", str(spec)], tmp_path, env={"KILL_AT": "0"})
+    proc = fork_train(["--config", str(spec)], tmp_path, env={"KILL_AT": "0"})
     run_dir = _wait_for_checkpoint(tmp_path / "runs", proc)
     (lighthouse,) = [
         p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -293,7 +293,7 @@ def test_two_nodes_each_a_group_heal_across_machines(tmp_path: Path) -> None:
     spec.write_text(yaml.safe_dump(ft))
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        start_train(
+        fork_train(
             ["--config", str(spec), "--nnodes", "2", "--node-rank", str(rank),
              "--rdzv-endpoint", endpoint, "--rdzv-id", "job"],
             tmp_path,

@@ -22,12 +22,11 @@ from tests.conftest import (
     bare_spec,
     finish_train,
     run_train,
-    start_train,
     usage_error,
     wait_for_step,
     write_spec,
 )
-from tests.forked_train import train_in_fork
+from tests.forked_train import fork_train, train_in_fork
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +45,7 @@ def test_a_second_launcher_is_refused_until_the_first_ends(tmp_path: Path) -> No
     config = ["--config", str(spec)]
     run = tmp_path / "runs" / "t" / "a"
     assert run_train([*config, "--run-dir", str(run)], cwd=tmp_path).returncode == 0
-    first = start_train([*config, *LONG], cwd=tmp_path)
+    first = fork_train([*config, *LONG], cwd=tmp_path)
     try:
         wait_for_step(run, 0, 3, first)
         plan_file = _digest(run / "worker-plan.json")

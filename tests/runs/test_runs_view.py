@@ -25,11 +25,11 @@ from tests.conftest import (
     REPO,
     finish_train,
     free_port,
-    start_train,
     usage_error,
     wait_for_step,
     write_spec,
 )
+from tests.forked_train import fork_train
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,10 +86,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     slow = _spec(top / "slow", "slow", out, train={"max_steps": 1000, "log_every": 1}, **faulty)
     slow_dir = out / "slow" / "r1"
     procs = [
-        (start_train(good, top / "good"), top / "good"),
-        (start_train(bad, top / "bad", {"FAULT": "raise", "FAULT_RANK": "0"}), top / "bad"),
+        (fork_train(good, top / "good"), top / "good"),
+        (fork_train(bad, top / "bad", {"FAULT": "raise", "FAULT_RANK": "0"}), top / "bad"),
         (
-            start_train(
+            fork_train(
                 [*slow, "--run-dir", str(slow_dir), "checkpoint.every_n_steps=2"],
                 top / "slow",
                 {"FAULT": "slow", "FAULT_RANK": "0"},

@@ -47,9 +47,9 @@ def run_train(
     of how `train` itself starts (a signal during its imports, its command line, a wrapper)
     starts the real command (`start_train`); so does a run whose environment changes how an
     interpreter starts."""
-    from tests.forked_train import train_in_fork
+    from tests.forked_train import needs_the_real_command, train_in_fork
 
-    if any(key.startswith(("PYTHON", "TORCH")) for key in env or {}):
+    if needs_the_real_command(env):
         return finish_train(start_train(args, cwd, env), cwd, timeout)
     return train_in_fork(args, cwd, env, timeout)
 

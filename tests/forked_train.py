@@ -104,6 +104,13 @@ def train_in_fork(
         )
 
 
+def needs_the_real_command(env: dict[str, str] | None) -> bool:
+    """Whether a `train` with the test's `env` must be the real command, not a fork: under
+    torch_xla (whose runtime a preloaded torch would start in the server), or where `env`
+    changes how an interpreter starts (PYTHON*, TORCH*), which a fork has done already."""
+    return "torch_xla" in sys.modules or any(k.startswith(("PYTHON", "TORCH")) for k in env or {})
+
+
 def fork_train(
     args: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> ForkedTrain | subprocess.Popen[str]:
@@ -113,7 +120,7 @@ def fork_train(
     starts (a signal during its imports, its command line, a wrapper) starts the real command.
     Under torch_xla, or with an environment that changes how an interpreter starts, it is the
     real command (as run_train's)."""
-    if "torch_xla" in sys.modules or any(k.startswith(("PYTHON", "TORCH")) for k in env or {}):
+    if needs_the_real_command(env):
         return start_train(args, cwd, env)
     return ForkedTrain(args, cwd, {**os.environ, "COLUMNS": "200", **(env or {})})
 

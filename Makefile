@@ -13,7 +13,7 @@ VENV_XLA := .venv-xla
 SMOKE_TORCH := 211 214
 export PYTHON
 
-.PHONY: demo test test-dev test-dev-beside test-other-torch test-xla test-smoke lint bench env env-xla env-smoke clean docs
+.PHONY: demo test test-dev test-dev-beside test-dev-third test-other-torch test-xla test-smoke lint bench env env-xla env-smoke clean docs
 
 env: $(VENV)/.ready
 env-xla: $(VENV_XLA)/.ready
@@ -41,14 +41,14 @@ lint: env
 	$(VENV)/bin/python -m ruff check launcher recipes tests bench
 	$(VENV)/bin/python -m ruff format --check launcher recipes tests bench
 
-# The two suites run side by side: each spends much of its time waiting on processes it
-# started (startup, rendezvous, signals), and together they keep 2 cores busy; each one's
-# output is shown whole when it ends.
+# Three suites run side by side on 2 cores: each spends some of its time waiting on processes
+# it started (startup, rendezvous, signals, a tracker's timeout), and a third one keeps both
+# cores busy through those waits; each one's output is shown whole when it ends.
 # The slowest tests each suite names at its end: `make test DURATIONS=0` names them all.
 DURATIONS ?= 8
 
 test: lint
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-dev test-other-torch
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-dev test-dev-beside test-other-torch
 
 # make test while two busy loops hold both cores, as on a loaded CI machine: a test that waits
 # a fixed time for a state, instead of for the state, fails here. The loops end with it,
@@ -59,14 +59,15 @@ test-loaded:
 	trap 'kill $$a $$b 2>/dev/null' EXIT; trap 'exit 130' HUP INT TERM; \
 	$(MAKE) --no-print-directory test
 
-# Beside the full suite on torch 2.13: the XLA tests and the smoke suite on torch 2.9 (the one
-# torch_xla pins), then the smoke suite on 2.11 and 2.14, then DEV_BESIDE.
+# Beside the suite on torch 2.13: the XLA tests and the smoke suite on torch 2.9 (the one
+# torch_xla pins), then the smoke suite on 2.11 and 2.14, then DEV_THIRD.
 test-other-torch:
-	$(MAKE) --no-print-directory test-xla test-smoke test-dev-beside
+	$(MAKE) --no-print-directory test-xla test-smoke test-dev-third
 
-# The full suite on torch 2.13 is split in two so that the two halves of make test end
-# together: DEV_BESIDE runs after the other versions' suites, the rest in test-dev. The layouts
-# compared with one ddp reference (tests/parallel/layouts.py) run in one session, to share it.
+# The suite on torch 2.13 is split in three so that the three suites of make test end
+# together (about 800 CPU-seconds each): DEV_BESIDE is a session of its own, DEV_THIRD runs
+# after the other versions' suites, the rest is test-dev. The layouts compared with one ddp
+# reference (tests/parallel/layouts.py) run in one session, to share it.
 DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/parallel/test_memory_estimate.py \
 	tests/worker/test_compile.py \
@@ -75,12 +76,17 @@ DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/launch/test_multinode.py \
 	tests/checkpoint/test_object_store.py tests/checkpoint/test_storage_faults.py \
 	tests/parallel/test_experts.py tests/runs/test_runs_view.py
+DEV_THIRD := tests/worker/test_stragglers.py tests/parallel/test_pipeline_hf.py \
+	tests/metrics/test_trackers.py tests/launch/test_failures.py
 
 test-dev: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) tests $(DEV_BESIDE:%=--ignore=%)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) tests $(DEV_BESIDE:%=--ignore=%) $(DEV_THIRD:%=--ignore=%)
 
 test-dev-beside: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(DEV_BESIDE)
+
+test-dev-third: env
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(DEV_THIRD)
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the

@@ -179,21 +179,21 @@ def test_fsdp_groups_resume_from_a_sync_bit_for_bit_and_train_as_ddp_groups(
 ) -> None:
     """2 groups of 2 processes: fsdp inside each group (the outer state sharded, in memory
     and in checkpoints) trains as ddp inside each does, each process sending half the
-    bytes; stopped at a sync (step 40) and resumed to 80, it ends bit for bit where the run
+    bytes; stopped at a sync (step 20) and resumed to 40, it ends bit for bit where the run
     that never stopped does."""
     sync = {"method": "diloco", "every": 10}
     four = {"launch": {"strategy": "fsdp", "devices": 4, "max_restarts": 0}}
     runs, ends = {}, []
-    for name, legs in (("whole", [["train.max_steps=80"]]),
-                       ("resumed", [["train.max_steps=40"],
-                                    ["--resume", "latest", "train.max_steps=80"]])):  # fmt: skip
-        spec = _spec(tmp_path / name, "diloco", sync, steps=80, **four)
+    for name, legs in (("whole", [["train.max_steps=40"]]),
+                       ("resumed", [["train.max_steps=20"],
+                                    ["--resume", "latest", "train.max_steps=40"]])):  # fmt: skip
+        spec = _spec(tmp_path / name, "diloco", sync, steps=40, **four)
         for args in legs:
             runs[name] = _train(tmp_path / name, spec, *args)
         finished = [e for e in _events(runs[name]) if e["event"] == "finished"]
         ends.append({(e["group"], e["rank"], e["step"], e["digest"]) for e in finished})
     assert ends[0] == ends[1] and len(ends[0]) == 4, ends
-    ddp = _spec(tmp_path / "ddp", "diloco", sync, steps=80, launch={"devices": 4})
+    ddp = _spec(tmp_path / "ddp", "diloco", sync, steps=40, launch={"devices": 4})
     runs["ddp"] = _train(tmp_path / "ddp", ddp)
     _assert_close(_weights(runs["whole"]), _weights(runs["ddp"]))
     sent = [_summary(runs[name])["sent_to_other_groups"]["bytes"] for name in ("whole", "ddp")]

@@ -75,9 +75,9 @@ DEV_BESIDE := tests/parallel/test_dims.py tests/parallel/test_pipeline.py \
 	tests/replicas/test_semi_sync.py \
 	tests/launch/test_multinode.py \
 	tests/checkpoint/test_object_store.py tests/checkpoint/test_storage_faults.py \
-	tests/parallel/test_experts.py tests/runs/test_runs_view.py
+	tests/parallel/test_experts.py tests/runs/test_runs_view.py tests/launch/test_failures.py
 DEV_THIRD := tests/worker/test_stragglers.py tests/parallel/test_pipeline_hf.py \
-	tests/metrics/test_trackers.py tests/launch/test_failures.py
+	tests/metrics/test_trackers.py
 
 test-dev: env
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) tests $(DEV_BESIDE:%=--ignore=%) $(DEV_THIRD:%=--ignore=%)

@@ -90,7 +90,7 @@ test-dev-third: env
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
-# launcher runs there too (the whole suite there would not fit in make test's 25 minutes).
+# launcher runs there too (the whole suite there would not fit in make test's 20 minutes).
 # XLA_CPU_TEST_FLAGS: the tests' graphs compile with LLVM's cheap passes. Compiling is nearly all
 # of an XLA test's time on CPU (a 12-step GPT run: 53.6 s of 55.6), and these flags cut it 3.5x;
 # no test compares XLA's numbers with another setting of them (exact resumes compare two runs

@@ -294,7 +294,28 @@ def _umask() -> int:
     return mask
 
 
-class ServerProcess:
+class PopenSignals:
+    """`subprocess.Popen`'s send_signal, terminate and kill, for a process object that has a
+    `pid` and answers `poll()`: as Popen's, a signal goes only to a process still running
+    (never to a pid the system may have reused since)."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ServerProcess(PopenSignals):
     """A server forked from this process, answering as the `subprocess.Popen` of one started
     as a new interpreter does (what `ForkServer` asks of it)."""
 
@@ -319,31 +340,6 @@ class ServerProcess:
                 raise subprocess.TimeoutExpired(["fork server"], timeout or 0.0)
             time.sleep(0.01)
         return self.returncode  # type: ignore[return-value]
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-
-class PopenSignals:
-    """`subprocess.Popen`'s send_signal, terminate and kill, for a process object that has a
-    `pid` and answers `poll()`: as Popen's, a signal goes only to a process still running
-    (never to a pid the system may have reused since)."""
-
-    pid: int
-
-    def poll(self) -> int | None:
-        raise NotImplementedError
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class ForkedProcess(PopenSignals):

@@ -46,6 +46,8 @@ lint: env
 # cores busy through those waits; each one's output is shown whole when it ends.
 # The slowest tests each suite names at its end: `make test DURATIONS=0` names them all.
 DURATIONS ?= 8
+# How each 2.13 suite and the XLA suite run pytest: quiet, no cache folder in the checkout.
+PYTEST_FLAGS = -q -p no:cacheprovider --durations=$(DURATIONS)
 
 test: lint
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-dev test-dev-beside test-other-torch
@@ -80,13 +82,13 @@ DEV_THIRD := tests/worker/test_stragglers.py tests/parallel/test_pipeline_hf.py 
 	tests/metrics/test_trackers.py
 
 test-dev: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) tests $(DEV_BESIDE:%=--ignore=%) $(DEV_THIRD:%=--ignore=%)
+	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests $(DEV_BESIDE:%=--ignore=%) $(DEV_THIRD:%=--ignore=%)
 
 test-dev-beside: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(DEV_BESIDE)
+	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) $(DEV_BESIDE)
 
 test-dev-third: env
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) $(DEV_THIRD)
+	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) $(DEV_THIRD)
 
 # On torch 2.9, the version torch_xla pins: the XLA tests (marked xla: tests/parallel/test_xla.py and
 # others) run for real on XLA's CPU devices, and the smoke suite shows the rest of the
@@ -97,7 +99,7 @@ test-dev-third: env
 # compiled alike; matches with plain torch allow float rounding). TPUs ignore them.
 XLA_CPU_TEST_FLAGS := --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 test-xla: env-xla
-	PJRT_DEVICE=CPU XLA_FLAGS="$(XLA_CPU_TEST_FLAGS)" LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest -q -p no:cacheprovider --durations=$(DURATIONS) -m "(xla or smoke) and not launcher_only" tests
+	PJRT_DEVICE=CPU XLA_FLAGS="$(XLA_CPU_TEST_FLAGS)" LAUNCHER_REQUIRE_XLA=1 $(VENV_XLA)/bin/python -m pytest $(PYTEST_FLAGS) -m "(xla or smoke) and not launcher_only" tests
 
 # One end-to-end run of each main path (tests marked smoke) on every other supported torch.
 test-smoke: env-smoke
